@@ -1,0 +1,20 @@
+"""dpcourse: an interactive course on data parallelism in PyTorch, on real ranks.
+
+    import dpcourse as dpc
+    cluster = dpc.Cluster(world_size=4)      # real torch.distributed ranks (gloo on CPU)
+    cluster.run(fn)                          # fn runs on every rank; results by rank
+    %load_ext dpcourse                       # then %%ranks runs a cell on every rank
+"""
+from .pool import (Cluster, ClusterError, RankDied, RankError, RankReport, RankTimeout,
+                   SerializationError, current_cluster)
+
+__version__ = "0.1.0"
+__all__ = ["Cluster", "ClusterError", "RankDied", "RankError", "RankReport", "RankTimeout",
+           "SerializationError", "current_cluster", "load_ipython_extension"]
+
+
+def load_ipython_extension(ipython) -> None:
+    """``%load_ext dpcourse``: registers the %%ranks cell magic."""
+    from .pool.magic import RanksMagics
+
+    ipython.register_magics(RanksMagics)

@@ -1,0 +1,349 @@
+"""``Cluster``: persistent torch.distributed ranks that run the notebook's functions.
+
+    cluster = dpc.Cluster(world_size=4)            # gloo on CPU, nccl with >= 4 GPUs
+    cluster.run(fn, *args, timeout=60, **kwargs)   # -> [result of rank 0, rank 1, ...]
+    cluster.shutdown()                             # or: with dpc.Cluster(4) as cluster: ...
+
+What the kernel can rely on: results ordered by rank; every rank's output shown live,
+labelled; an exception on any rank raised here as RankError within a second, even while
+the others wait in a collective (they are killed and restarted, not left to Gloo's
+timeout); a hang reported as RankTimeout with where each rank is stuck; the stop button
+stops the ranks; and no rank outlives the kernel.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+import weakref
+
+from . import wire
+from .errors import ClusterError, RankDied, RankError, RankReport, RankTimeout
+from .output import RankPrinter
+from .procs import Generation, LauncherProcess, check_port, describe_exit, free_port, readable
+
+ERROR_GRACE_S = 0.25  # after the first failure, how long other ranks may take to report theirs
+INTERRUPT_GRACE_S = 1.0  # after the stop button, how long ranks may take to unwind
+_DEFAULT = object()
+_current: weakref.ref | None = None
+
+
+def current_cluster() -> "Cluster | None":
+    """The most recently started cluster that is still open (used by %%ranks)."""
+    cluster = _current() if _current else None
+    return cluster if cluster is not None and not cluster.closed else None
+
+
+def resolve_backend(backend: str, world_size: int) -> str:
+    """'gloo' or 'nccl' for this machine; a clear error for a request it cannot serve."""
+    if backend not in ("auto", "gloo", "nccl"):
+        raise ClusterError(f"backend must be 'auto', 'gloo' or 'nccl', not {backend!r}")
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if backend == "auto":
+        return "nccl" if gpus >= world_size else "gloo"
+    if backend == "nccl" and gpus < world_size:
+        raise ClusterError(
+            f"backend='nccl' needs one CUDA device per rank: world_size={world_size} but this "
+            f"machine has {gpus}. Use backend='gloo' (CPU ranks) or world_size<={gpus}.")
+    return backend
+
+
+class Cluster:
+    """A pool of ``world_size`` persistent ranks with an initialised process group."""
+
+    def __init__(self, world_size: int = 2, backend: str = "auto", *, timeout: float | None = 300.0,
+                 num_threads: int | None = None, master_port: int | None = None,
+                 env: dict[str, str] | None = None, start_timeout: float = 120.0):
+        global _current
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ClusterError(f"world_size must be a whole number >= 1, not {world_size!r}")
+        self.world_size = world_size
+        self.backend = resolve_backend(backend, world_size)
+        if master_port is not None:
+            check_port(master_port)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        self.num_threads = num_threads or max(1, (cores or 1) // world_size)
+        self.default_timeout = timeout
+        self._master_port, self._env = master_port, dict(env or {})
+        self._start_timeout = start_timeout
+        self._printer = RankPrinter()
+        self._sent_sources: set[str] = set()
+        self._run_id = 0
+        self._gen: Generation | None = None
+        self.closed = False
+        self._launcher = LauncherProcess(start_timeout)
+        self._finalizer = weakref.finalize(self, LauncherProcess.close, self._launcher)
+        try:
+            self._start_ranks()
+        except BaseException:
+            self.shutdown()
+            raise
+        _current = weakref.ref(self)
+
+    # --- public surface ------------------------------------------------------------
+    @property
+    def pids(self) -> list[int]:
+        """Process IDs of the current ranks, by rank."""
+        return list(self._gen.pids) if self._gen else []
+
+    @property
+    def launcher_pid(self) -> int:
+        return self._launcher.pid
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"pids={self.pids}"
+        return f"Cluster(world_size={self.world_size}, backend={self.backend!r}, {state})"
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+    def run(self, fn, *args, timeout=_DEFAULT, **kwargs) -> list:
+        """Call ``fn(*args, **kwargs)`` on every rank; return the results ordered by rank.
+
+        timeout: seconds (None: no limit; default: the cluster's ``timeout``).
+        """
+        if not callable(fn):
+            raise TypeError(f"run() needs a function to call on the ranks, got {type(fn).__name__}")
+        self._check_open()
+        return self._call("call", wire.dumps_call(fn, args, kwargs), timeout)
+
+    def run_cell(self, source: str, timeout=_DEFAULT) -> list:
+        """Run Python source on every rank in a namespace kept per rank (what %%ranks does).
+
+        Returns the value of the cell's last line on each rank, if it is an expression.
+        """
+        self._check_open()
+        filename = f"<ranks-cell-{self._run_id + 1}>"
+        import linecache
+
+        linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+        return self._call("cell", wire.dumps((source, filename)), timeout)
+
+    def restart(self) -> None:
+        """Kill the ranks and start fresh ones (new process group, empty rank namespaces)."""
+        self._check_open()
+        self._restart()
+        self._wait_ready()
+
+    def shutdown(self) -> None:
+        """Stop the ranks and the launcher. Safe to call twice."""
+        if self.closed:
+            return
+        self.closed = True
+        self._printer.flush()
+        if self._gen is not None:
+            self._gen.close()
+            self._gen = None
+        self._finalizer()  # tells the launcher to kill its ranks and exit; waits for it
+
+    # --- starting ranks ------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ClusterError("this Cluster was shut down; start a new one with "
+                               f"dpc.Cluster(world_size={self.world_size})")
+
+    def _spec(self, port: int) -> dict:
+        return {"world_size": self.world_size, "backend": self.backend, "port": port,
+                "cwd": os.getcwd(), "sys_path": list(sys.path),
+                "env": {**os.environ, **self._env}, "num_threads": self.num_threads}
+
+    def _start_ranks(self, attempts: int = 3) -> None:
+        for attempt in range(attempts):
+            self._restart(kill=False)
+            try:
+                return self._wait_ready()
+            except ClusterError as err:
+                port_taken = "address already in use" in str(err).lower()
+                if not port_taken or self._master_port is not None or attempt == attempts - 1:
+                    raise
+
+    def _restart(self, kill: bool = True) -> None:
+        """Kill the current generation (if any) and ask for a new one; do not wait for it."""
+        if kill and self._gen is not None:
+            self._launcher.kill(self._gen)
+        number = self._gen.number + 1 if self._gen else 0
+        self._gen = None
+        self._sent_sources.clear()
+        port = self._master_port or free_port()
+        self._gen = self._launcher.spawn(self._spec(port), number)
+
+    def _wait_ready(self) -> None:
+        gen = self._gen
+        waiting, errors = set(range(self.world_size)), {}
+        deadline = time.monotonic() + self._start_timeout
+        while waiting and time.monotonic() < deadline:
+            for rank, msg in self._poll(gen, waiting, 0.1):
+                waiting.discard(rank)
+                if msg is None:
+                    errors[rank] = f"rank {rank} {self._exit_text(gen, rank)} while starting"
+                elif msg[0] == "init_error":
+                    errors[rank] = f"rank {rank} failed to start:\n{msg[2]}"
+        self._printer.flush()
+        if waiting or errors:
+            self._launcher.kill(gen)
+            self._gen = None
+            late = [f"rank {r} did not start within {self._start_timeout:g} s" for r in sorted(waiting)]
+            raise ClusterError("the ranks could not be started:\n" + "\n".join(late + list(errors.values())))
+        gen.ready = True
+
+    def _ensure_ready(self) -> None:
+        """Before a call: notice ranks that died while idle, restart them, finish a restart."""
+        if self._gen is None:
+            self._restart(kill=False)
+        elif self._gen.ready:
+            dead = [r for r, c in enumerate(self._gen.task) if readable([c], 0)]
+            if dead:
+                texts = [f"rank {r} {self._exit_text(self._gen, r)}" for r in dead]
+                print(f"dpcourse: {'; '.join(texts)} since the last call; restarting the ranks.",
+                      file=sys.stderr)
+                self._restart()
+        if not self._gen.ready:
+            self._wait_ready()
+
+    def _exit_text(self, gen: Generation, rank: int, wait_s: float = 0.5) -> str:
+        pid = gen.pids[rank]
+        deadline = time.monotonic() + wait_s
+        while pid not in self._launcher.exited and time.monotonic() < deadline:
+            if self._launcher.conn.poll(0.02):
+                self._launcher.poll_one()
+        return describe_exit(self._launcher.exited.get(pid)) + f" (pid {pid})"
+
+    # --- one call --------------------------------------------------------------------
+    def _poll(self, gen: Generation, pending: set[int], timeout: float):
+        """Show rank output; yield (rank, message or None if the rank died) from pending ranks."""
+        tasks = {gen.task[r]: r for r in pending}
+        controls = {c: r for r, c in enumerate(gen.control)}
+        ready = readable(list(tasks) + list(controls) + [self._launcher.conn], timeout)
+        for conn in ready:
+            if conn in controls:
+                self._pump_control(gen, controls[conn])
+            elif conn is self._launcher.conn:
+                self._launcher.poll_one()
+        for conn in ready:
+            if conn in tasks:
+                rank = tasks[conn]
+                self._pump_control(gen, rank)  # output written before the reply comes first
+                try:
+                    yield rank, conn.recv()
+                except (EOFError, OSError):
+                    yield rank, None
+        self._printer.tick()
+
+    def _pump_control(self, gen: Generation, rank: int):
+        conn, status = gen.control[rank], None
+        try:
+            while conn.poll(0):
+                msg = conn.recv()
+                if msg[0] == "out":
+                    self._printer.feed(rank, msg[1], msg[2])
+                elif msg[0] == "status":
+                    status = msg[1]
+        except (EOFError, OSError):
+            pass
+        return status
+
+    def _call(self, kind: str, call: bytes, timeout):
+        timeout = self.default_timeout if timeout is _DEFAULT else timeout
+        self._ensure_ready()
+        self._run_id += 1
+        sources = wire.notebook_sources(self._sent_sources)
+        message = wire.dumps((kind, self._run_id, (sources, call)))
+        self._sent_sources.update(sources)
+        gen = self._gen
+        results, reports = [None] * self.world_size, {}
+        pending = set(range(self.world_size))
+        try:
+            for conn in gen.task:
+                conn.send_bytes(message)
+            self._collect(gen, pending, results, reports, timeout)
+        except KeyboardInterrupt:
+            self._on_interrupt(gen, pending, reports)
+            raise
+        finally:
+            self._printer.flush()
+        return results
+
+    def _collect(self, gen, pending, results, reports, timeout) -> None:
+        start = time.monotonic()
+        first_failure = None
+        while pending:
+            now = time.monotonic()
+            if first_failure is not None and now - first_failure > ERROR_GRACE_S:
+                break
+            if timeout is not None and now - start > timeout:
+                self._fail(gen, pending, reports, RankTimeout, timeout)
+            for rank, msg in self._poll(gen, pending, 0.05 if first_failure else 0.1):
+                pending.discard(rank)
+                if msg is None:
+                    reports[rank] = RankReport(rank, "died", self._exit_text(gen, rank))
+                elif msg[0] == "ok":
+                    results[rank] = msg[2]
+                    reports[rank] = RankReport(rank, "finished", "finished")
+                elif msg[0] == "raised":
+                    reports[rank] = RankReport(rank, "raised", "raised " + msg[2], msg[3], msg[4])
+                else:
+                    reports[rank] = RankReport(rank, "interrupted", "was interrupted")
+                if reports[rank].state != "finished" and first_failure is None:
+                    first_failure = time.monotonic()
+        if first_failure is not None:
+            died = any(r.state == "died" for r in reports.values())
+            self._fail(gen, pending, reports, RankDied if died else RankError)
+
+    def _stuck_reports(self, gen, pending, wait_s: float) -> dict[int, RankReport]:
+        """Ask still-running ranks where they are (stack + collective in progress)."""
+        for rank in pending:
+            try:
+                gen.control[rank].send(("status",))
+            except OSError:
+                pass
+        found, deadline = {}, time.monotonic() + wait_s
+        while len(found) < len(pending) and time.monotonic() < deadline:
+            for conn in readable([gen.control[r] for r in pending if r not in found], 0.05):
+                rank = gen.control.index(conn)
+                status = self._pump_control(gen, rank)
+                if status is not None:
+                    found[rank] = RankReport(rank, "running", status["collective"], status["stack"])
+        for rank in pending:
+            found.setdefault(rank, RankReport(rank, "running", "did not answer (blocked outside Python?)"))
+        return found
+
+    def _fail(self, gen, pending, reports, error, timeout=None):
+        restarted = bool(pending) or error is RankDied
+        if pending:
+            reports.update(self._stuck_reports(gen, pending, 1.0 if error is RankTimeout else 0.3))
+        self._printer.flush()
+        if restarted:
+            self._restart()
+        ordered = [reports[r] for r in sorted(reports)]
+        if error is RankTimeout:
+            raise RankTimeout(ordered, timeout)
+        for r in ordered:
+            if r.state == "running":
+                r.summary = f"was stopped while {r.summary}" if r.summary.startswith("waiting") else \
+                    "was stopped while running"
+                r.traceback = ""
+        raise error(ordered, restarted)
+
+    def _on_interrupt(self, gen, pending, reports) -> None:
+        """The stop button: interrupt the ranks' Python code; restart any that do not return."""
+        try:
+            where = self._stuck_reports(gen, pending, 0.3) if pending else {}
+            self._launcher.signal([gen.pids[r] for r in pending], signal.SIGINT)
+            deadline = time.monotonic() + INTERRUPT_GRACE_S
+            while pending and time.monotonic() < deadline:
+                for rank, _ in self._poll(gen, set(pending), 0.05):
+                    pending.discard(rank)
+            notes = [where[r].describe(with_trace=False) for r in sorted(where)]
+            if pending:
+                self._restart()
+                notes.append("the ranks were restarted")
+            print("dpcourse: interrupted: " + ("; ".join(notes) or "ranks stopped"), file=sys.stderr)
+        except BaseException:
+            self._restart()  # whatever happened, leave a usable pool behind
+            raise

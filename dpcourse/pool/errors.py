@@ -1,0 +1,84 @@
+"""Exceptions the pool raises in the kernel, and the per-rank facts they carry."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class ClusterError(RuntimeError):
+    """Something went wrong with the ranks or with a request to them."""
+
+
+class SerializationError(ClusterError, TypeError):
+    """A function, argument or result could not be pickled (the message says which)."""
+
+
+@dataclass
+class RankReport:
+    """What one rank was doing when a call ended badly.
+
+    state: "finished", "raised", "died", "running" or "interrupted".
+    """
+
+    rank: int
+    state: str
+    summary: str = ""  # one line, e.g. "ValueError: bad shape" or "waiting in all_reduce #17"
+    traceback: str = ""  # the remote traceback ("raised") or Python stack ("running")
+    exception: BaseException | None = field(default=None, repr=False)
+
+    def describe(self, with_trace: bool = True) -> str:
+        head = f"rank {self.rank} {self.summary}".rstrip()
+        if with_trace and self.traceback:
+            body = "\n".join("    " + line for line in self.traceback.rstrip().splitlines())
+            return f"{head}\n{body}"
+        return head
+
+
+def _format(title: str, reports: list[RankReport], note: str) -> str:
+    lines = [title]
+    lines += [r.describe() for r in reports]
+    if note:
+        lines.append(note)
+    return "\n".join(lines)
+
+
+class RankError(ClusterError):
+    """One or more ranks raised an exception or died; ``failures`` maps rank -> RankReport."""
+
+    def __init__(self, reports: list[RankReport], restarted: bool):
+        self.reports = {r.rank: r for r in reports}
+        self.failures = {r.rank: r for r in reports if r.state in ("raised", "died")}
+        self.restarted = restarted
+        bad = sorted(self.failures)
+        title = f"{len(bad)} of {len(reports)} rank(s) failed: {', '.join(map(str, bad))}"
+        note = (
+            "The ranks were restarted (variables kept on ranks are gone); the cluster is ready."
+            if restarted
+            else "No rank was left running, so the ranks were kept; the cluster is ready."
+        )
+        failed = [self.reports[r] for r in bad]
+        others = [r for r in reports if r.rank not in self.failures]
+        text = _format(title, failed, "")
+        if others:
+            text += "\n" + "; ".join(r.describe(with_trace=False) for r in others)
+        super().__init__(text + "\n" + note)
+
+
+class RankDied(RankError):
+    """A rank's process ended without reporting (killed by a signal, os._exit, a crash)."""
+
+
+class RankTimeout(ClusterError):
+    """Ranks did not finish within ``timeout``; ``reports`` says where each one was."""
+
+    def __init__(self, reports: list[RankReport], timeout: float):
+        self.reports = {r.rank: r for r in reports}
+        self.timeout = timeout
+        summary = "; ".join(r.describe(with_trace=False) for r in reports)
+        stuck = [r for r in reports if r.state == "running"]
+        title = f"ranks did not finish within {timeout:g} s: {summary}"
+        note = (
+            "A collective waits until every rank calls the same one; check that all ranks\n"
+            "reach the same collectives in the same order. The ranks were restarted\n"
+            "(variables kept on ranks are gone); the cluster is ready."
+        )
+        super().__init__(_format(title, stuck, note))

@@ -1,0 +1,134 @@
+"""The launcher: a small parent process, with torch already imported, that forks the ranks.
+
+Why a separate parent and not the kernel: forking the kernel is unsafe (CUDA may be
+initialised there; a used intra-op thread pool hangs the child), and spawning fresh
+interpreters costs a full ``import torch`` (2-3 s) every time the ranks are restarted.
+The launcher imports torch once, never runs an op or touches CUDA, and forks ranks on
+request in ~0.1 s. It is the ranks' parent, so only it can kill and reap them by PID
+without any risk of hitting a reused PID.
+
+It dies with the kernel (death signal + end-of-file on its socket) and kills its ranks
+first; the ranks also carry a death signal, so nothing outlives the kernel.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+from multiprocessing.connection import Connection, wait
+
+
+def _fork_rank(spec: dict, rank: int, fds: list[int], launcher_pid: int) -> int:
+    pid = os.fork()
+    if pid:
+        return pid
+    # Child: keep only this rank's two sockets.
+    mine = fds[2 * rank: 2 * rank + 2]
+    for fd in fds:
+        if fd not in mine:
+            os.close(fd)
+    from . import rank as rank_module
+
+    rank_module.main(spec, rank, mine[0], mine[1], launcher_pid)
+    os._exit(5)  # not reached
+
+
+class Launcher:
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.conn = Connection(os.dup(sock.fileno()))
+        self.children: dict[int, int] = {}  # pid -> pidfd (or -1 without pidfd support)
+
+    def reap(self) -> list[tuple[int, int]]:
+        """Collect exited children; return (pid, wait status) for each."""
+        gone = []
+        for pid in list(self.children):
+            try:
+                done, status = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                done, status = pid, 0
+            if done:
+                fd = self.children.pop(pid)
+                if fd >= 0:
+                    os.close(fd)
+                gone.append((pid, status))
+        return gone
+
+    def kill(self, pids) -> list[tuple[int, int]]:
+        gone = []
+        for pid in pids:
+            if pid in self.children:
+                os.kill(pid, signal.SIGKILL)
+        for pid in pids:
+            if pid in self.children:
+                _, status = os.waitpid(pid, 0)
+                fd = self.children.pop(pid)
+                if fd >= 0:
+                    os.close(fd)
+                gone.append((pid, status))
+        return gone
+
+    def handle(self, msg) -> bool:
+        kind = msg[0]
+        if kind == "spawn":
+            spec = msg[1]
+            _, fds, _, _ = socket.recv_fds(self.sock, 16, 2 * spec["world_size"])
+            pids = [_fork_rank(spec, r, fds, os.getpid()) for r in range(spec["world_size"])]
+            for fd in fds:
+                os.close(fd)
+            for pid in pids:
+                self.children[pid] = os.pidfd_open(pid) if hasattr(os, "pidfd_open") else -1
+            self.conn.send(("spawned", pids))
+        elif kind == "signal":
+            for pid in msg[2]:
+                if pid in self.children:
+                    os.kill(pid, msg[1])
+        elif kind == "kill":
+            self.conn.send(("killed", self.kill(msg[1])))
+        elif kind == "exit":
+            return False
+        return True
+
+    def serve(self) -> None:
+        try:
+            while True:
+                watched = [self.conn] + [fd for fd in self.children.values() if fd >= 0]
+                timeout = None if all(fd >= 0 for fd in self.children.values()) else 0.05
+                ready = wait(watched, timeout)
+                exited = self.reap()
+                if exited:
+                    self.conn.send(("exited", exited))
+                if self.conn in ready and not self.handle(self.conn.recv()):
+                    break
+        except (EOFError, OSError):
+            pass  # the kernel is gone
+        finally:
+            self.kill(list(self.children))
+
+
+def main() -> None:
+    fd, kernel_pid, arm_death_signal = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
+    # Ctrl-C in a terminal or the notebook's stop button must reach the ranks only
+    # through the pool (which decides what to interrupt), never directly.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if arm_death_signal:
+        from .rank import set_death_signal
+
+        set_death_signal(kernel_pid)
+    sock = socket.socket(fileno=fd)
+    # Preload what every rank needs, once: this is what makes restarts cheap.
+    import cloudpickle  # noqa: F401
+    import torch  # noqa: F401
+    import torch.distributed  # noqa: F401
+    import torch.distributed.distributed_c10d  # noqa: F401
+
+    from . import rank, wire  # noqa: F401
+
+    launcher = Launcher(sock)
+    launcher.conn.send(("launcher_ready", os.getpid()))
+    launcher.serve()
+
+
+if __name__ == "__main__":
+    main()

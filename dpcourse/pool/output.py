@@ -1,0 +1,87 @@
+"""Shows the ranks' stdout and stderr in the kernel, each line labelled with its rank.
+
+Complete lines go to the kernel's own stdout/stderr as they arrive ("[rank 1] epoch 3").
+A line still being rewritten with "\\r" (a progress bar) is shown, in a Jupyter kernel, in
+one live display per rank, so bars of different ranks do not overwrite each other; when
+the line ends, its final state is printed like any other line.
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+
+def _in_ipykernel() -> bool:
+    shell = sys.modules.get("IPython") and getattr(sys.modules["IPython"], "get_ipython", lambda: None)()
+    return shell is not None and hasattr(shell, "kernel")
+
+
+def collapse_carriage_returns(line: str) -> str:
+    """What a terminal shows for a line rewritten with "\\r": the text after the last one."""
+    return line.rstrip("\r").rsplit("\r", 1)[-1]
+
+
+class RankPrinter:
+    """Buffers partial lines per (rank, stream) and prints complete ones with a label."""
+
+    REFRESH_S = 0.1  # at most ten progress redraws per second per rank
+
+    def __init__(self):
+        self.partial: dict[tuple[int, str], str] = {}
+        self.bars: dict[tuple[int, str], list] = {}  # key -> [handle, text shown, time, pending]
+        self.live = _in_ipykernel()
+
+    @staticmethod
+    def label(rank: int) -> str:
+        return f"[rank {rank}] "
+
+    def feed(self, rank: int, stream: str, text: str) -> None:
+        key = (rank, stream)
+        *lines, rest = (self.partial.get(key, "") + text).split("\n")
+        if lines:
+            self._clear_bar(key)
+            out = sys.stdout if stream == "stdout" else sys.stderr
+            out.write("".join(f"{self.label(rank)}{collapse_carriage_returns(x)}\n" for x in lines))
+        self.partial[key] = rest
+        if "\r" in rest and self.live:
+            self._show_bar(key, self.label(rank) + collapse_carriage_returns(rest))
+
+    def _show_bar(self, key, text: str) -> None:
+        from IPython.display import display
+
+        bar = self.bars.get(key)
+        now = time.monotonic()
+        if bar is None:
+            handle = display({"text/plain": text}, raw=True, display_id=True)
+            self.bars[key] = [handle, text, now, None]
+        elif now - bar[2] >= self.REFRESH_S:
+            bar[0].update({"text/plain": text}, raw=True)
+            bar[1:] = [text, now, None]
+        else:
+            bar[3] = text
+
+    def _clear_bar(self, key) -> None:
+        bar = self.bars.pop(key, None)
+        if bar is not None:
+            bar[0].update({"text/plain": ""}, raw=True)
+
+    def tick(self) -> None:
+        """Redraw progress bars whose latest text was held back by the refresh limit."""
+        now = time.monotonic()
+        for bar in self.bars.values():
+            if bar[3] is not None and now - bar[2] >= self.REFRESH_S:
+                bar[0].update({"text/plain": bar[3]}, raw=True)
+                bar[1:] = [bar[3], now, None]
+
+    def flush(self) -> None:
+        """Print every unfinished line as it stands (at the end of a call, or on error)."""
+        for (rank, stream), rest in sorted(self.partial.items()):
+            if rest:
+                self._clear_bar((rank, stream))
+                out = sys.stdout if stream == "stdout" else sys.stderr
+                out.write(f"{self.label(rank)}{collapse_carriage_returns(rest)}\n")
+        self.partial.clear()
+        for key in list(self.bars):
+            self._clear_bar(key)
+        sys.stdout.flush()
+        sys.stderr.flush()

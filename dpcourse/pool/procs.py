@@ -1,0 +1,178 @@
+"""Kernel-side handles on the launcher process and on one generation of ranks.
+
+A *generation* is one set of rank processes with one process group. After a failure the
+pool kills the whole generation (by PID, through the launcher that forked it) and forks
+a new one; the launcher, with torch already imported, lives as long as the cluster.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+
+from .errors import ClusterError
+
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def describe_exit(status: int | None) -> str:
+    """'killed by signal 9 (SIGKILL)' or 'exited with code 3' from a wait status."""
+    if status is None:
+        return "ended (exit status unknown)"
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        try:
+            name = signal.Signals(sig).name
+        except ValueError:
+            name = "unknown"
+        return f"killed by signal {sig} ({name})"
+    return f"exited with code {os.WEXITSTATUS(status)}"
+
+
+@dataclass
+class Generation:
+    """One set of ranks: their PIDs and the kernel's ends of their sockets."""
+
+    number: int
+    port: int
+    pids: list[int]
+    task: list[Connection]
+    control: list[Connection]
+    exit_status: dict[int, int] = field(default_factory=dict)  # rank -> wait status
+    ready: bool = False
+
+    def close(self) -> None:
+        for conn in self.task + self.control:
+            conn.close()
+
+
+class LauncherProcess:
+    """The launcher: started with the kernel's own interpreter, talked to over a socketpair.
+
+    The socketpair is anonymous: nothing listens on a port or a path, so no other process
+    can connect to the pool's control channel (local-only by construction).
+    """
+
+    def __init__(self, start_timeout: float):
+        self.sock, child = socket.socketpair()
+        self.conn = Connection(os.dup(self.sock.fileno()))
+        self._stderr = tempfile.TemporaryFile()
+        arm = "1" if threading.current_thread() is threading.main_thread() else "0"
+        code = (f"import sys; sys.path.insert(0, {_PACKAGE_ROOT!r}); "
+                "from dpcourse.pool.launcher import main; main()")
+        self.popen = subprocess.Popen(
+            [sys.executable, "-c", code, str(child.fileno()), str(os.getpid()), arm],
+            pass_fds=[child.fileno()], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=self._stderr, start_new_session=True)
+        child.close()
+        self.exited: dict[int, int] = {}  # pid -> wait status, reported by the launcher
+        try:
+            msg = self.recv(start_timeout)
+        except ClusterError:
+            self.close()
+            raise
+        if msg[0] != "launcher_ready":
+            self.close()
+            raise ClusterError(f"unexpected reply from the launcher: {msg!r}")
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def stderr_text(self) -> str:
+        self._stderr.seek(0)
+        return self._stderr.read().decode(errors="replace")[-4000:]
+
+    def send(self, msg) -> None:
+        try:
+            self.conn.send(msg)
+        except OSError as err:
+            raise ClusterError(f"the launcher process is gone ({err}); create a new Cluster") from err
+
+    def recv(self, timeout: float | None):
+        """Next reply that is not an exit report; exit reports are recorded on the way."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not self.conn.poll(left):
+                raise ClusterError(f"the launcher did not answer within {timeout:g} s")
+            msg = self.poll_one()
+            if msg is not None:
+                return msg
+
+    def poll_one(self):
+        """Read one message; record and swallow exit reports (returns None for them)."""
+        try:
+            msg = self.conn.recv()
+        except (EOFError, OSError) as err:
+            code = self.popen.poll()
+            raise ClusterError(
+                f"the launcher process ended ({describe_exit(None) if code is None else code}); "
+                f"create a new Cluster. Its last words:\n{self.stderr_text()}") from err
+        if msg[0] == "exited":
+            self.exited.update(dict(msg[1]))
+            return None
+        return msg
+
+    def spawn(self, spec: dict, number: int) -> Generation:
+        n = spec["world_size"]
+        pairs = [socket.socketpair() for _ in range(2 * n)]
+        self.send(("spawn", spec))
+        socket.send_fds(self.sock, [b"F"], [p[1].fileno() for p in pairs])
+        for _, theirs in pairs:
+            theirs.close()
+        kind, pids = self.recv(30)
+        mine = [Connection(p[0].detach()) for p in pairs]
+        return Generation(number, spec["port"], pids, mine[0::2], mine[1::2])
+
+    def signal(self, pids: list[int], signum: int) -> None:
+        self.send(("signal", signum, pids))
+
+    def kill(self, gen: Generation) -> None:
+        """SIGKILL and reap a generation's ranks (the launcher is their parent)."""
+        self.send(("kill", gen.pids))
+        _, statuses = self.recv(30)
+        self.exited.update(dict(statuses))
+        gen.close()
+
+    def close(self, timeout: float = 5.0) -> None:
+        try:
+            self.conn.send(("exit",))
+        except OSError:
+            pass
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()  # our own child, by its Popen handle
+            self.popen.wait()
+        self.conn.close()
+        self.sock.close()
+        self._stderr.close()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing is bound to right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check_port(port: int) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError as err:
+            raise ClusterError(
+                f"master_port={port} is in use ({err.strerror}); pass master_port=None "
+                "and the pool picks a free port") from err
+
+
+def readable(conns, timeout: float) -> list:
+    return wait(conns, timeout) if conns else []
