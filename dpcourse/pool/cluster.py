@@ -197,7 +197,10 @@ class Cluster:
         if self._gen is None:
             self._restart(kill=False)
         elif self._gen.ready:
-            dead = [r for r, c in enumerate(self._gen.task) if readable([c], 0)]
+            while self._launcher.conn.poll(0):
+                self._launcher.poll_one()
+            dead = [r for r, c in enumerate(self._gen.task)
+                    if readable([c], 0) or self._gen.pids[r] in self._launcher.exited]
             if dead:
                 texts = [f"rank {r} {self._exit_text(self._gen, r)}" for r in dead]
                 print(f"dpcourse: {'; '.join(texts)} since the last call; restarting the ranks.",

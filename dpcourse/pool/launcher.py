@@ -19,13 +19,14 @@ import sys
 from multiprocessing.connection import Connection, wait
 
 
-def _fork_rank(spec: dict, rank: int, fds: list[int], launcher_pid: int) -> int:
+def _fork_rank(spec: dict, rank: int, fds: list[int], inherited: list[int], launcher_pid: int) -> int:
     pid = os.fork()
     if pid:
         return pid
-    # Child: keep only this rank's two sockets.
+    # Child: keep only this rank's two sockets; drop the launcher's own descriptors so
+    # that only the launcher holds its socket to the kernel.
     mine = fds[2 * rank: 2 * rank + 2]
-    for fd in fds:
+    for fd in fds + inherited:
         if fd not in mine:
             os.close(fd)
     from . import rank as rank_module
@@ -74,7 +75,9 @@ class Launcher:
         if kind == "spawn":
             spec = msg[1]
             _, fds, _, _ = socket.recv_fds(self.sock, 16, 2 * spec["world_size"])
-            pids = [_fork_rank(spec, r, fds, os.getpid()) for r in range(spec["world_size"])]
+            inherited = [self.sock.fileno(), self.conn.fileno()]
+            inherited += [fd for fd in self.children.values() if fd >= 0]
+            pids = [_fork_rank(spec, r, fds, inherited, os.getpid()) for r in range(spec["world_size"])]
             for fd in fds:
                 os.close(fd)
             for pid in pids:
