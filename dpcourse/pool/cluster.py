@@ -108,6 +108,7 @@ class Cluster:
 
         timeout: seconds (None: no limit; default: the cluster's ``timeout``).
         """
+        __tracebackhide__ = True  # IPython: show the ranks' error, not the pool's frames
         if not callable(fn):
             raise TypeError(f"run() needs a function to call on the ranks, got {type(fn).__name__}")
         self._check_open()
@@ -118,6 +119,7 @@ class Cluster:
 
         Returns the value of the cell's last line on each rank, if it is an expression.
         """
+        __tracebackhide__ = True  # IPython: show the ranks' error, not the pool's frames
         self._check_open()
         filename = f"<ranks-cell-{self._run_id + 1}>"
         import linecache
@@ -252,6 +254,7 @@ class Cluster:
         return status
 
     def _call(self, kind: str, call: bytes, timeout):
+        __tracebackhide__ = True
         timeout = self.default_timeout if timeout is _DEFAULT else timeout
         self._ensure_ready()
         self._run_id += 1
@@ -273,6 +276,7 @@ class Cluster:
         return results
 
     def _collect(self, gen, pending, results, reports, timeout) -> None:
+        __tracebackhide__ = True
         start = time.monotonic()
         first_failure = None
         while pending:
@@ -317,6 +321,7 @@ class Cluster:
         return found
 
     def _fail(self, gen, pending, reports, error, timeout=None):
+        __tracebackhide__ = True
         restarted = bool(pending) or error is RankDied
         if pending:
             reports.update(self._stuck_reports(gen, pending, 1.0 if error is RankTimeout else 0.3))

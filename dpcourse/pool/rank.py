@@ -209,7 +209,10 @@ class Rank:
         except KeyboardInterrupt:
             return ("interrupted", run_id)
         except BaseException as exc:  # noqa: BLE001 -- everything goes back to the kernel
-            tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__.tb_next))
+            tb = exc.__traceback__
+            while tb is not None and _is_pool_code(tb.tb_frame.f_code.co_filename):
+                tb = tb.tb_next  # the learner's code starts below the pool's frames
+            tb = "".join(traceback.format_exception(type(exc), exc, tb))
             summary = traceback.format_exception_only(type(exc), exc)[-1].strip()
             try:
                 wire.dumps(exc)
@@ -231,10 +234,17 @@ class Rank:
         return None
 
 
+_POOL_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _is_pool_code(filename: str) -> bool:
+    return filename.startswith(_POOL_DIR) or filename == "<string>"
+
+
 def _user_stack(stack: str) -> str:
     """Drop the pool's own frames from a formatted stack, keeping the learner's code."""
     blocks = stack.split('  File "')
-    keep = [b for b in blocks[1:] if os.sep + "dpcourse" + os.sep + "pool" + os.sep not in b.split('"', 1)[0]]
+    keep = [b for b in blocks[1:] if not _is_pool_code(b.split('"', 1)[0])]
     return "".join('  File "' + b for b in keep)
 
 
