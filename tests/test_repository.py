@@ -1,0 +1,65 @@
+"""The repository keeps its promises: README commands, CI, environment.yml, stripped notebooks."""
+from __future__ import annotations
+
+import glob
+import json
+import re
+import subprocess
+import tomllib
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _readme_commands() -> list[str]:
+    return re.findall(r"```bash\n(.+?)\n```", (ROOT / "README.md").read_text())
+
+
+def test_readme_quick_start_is_two_commands_that_install_the_cpu_torch_first():
+    open_course, run_tests = _readme_commands()[:2]
+    for cmd in (open_course, run_tests):
+        assert cmd.index("pip install torch==2.13.0") < cmd.index('pip install -e ".[dev]"')
+    assert open_course.endswith("jupyter lab notebooks/")
+    assert run_tests.endswith("python -m pytest")
+
+
+def test_ci_runs_the_readme_test_command():
+    script = ROOT / ".ci" / "run"
+    extracted = subprocess.run(
+        ["bash", "-c", re.search(r"cmd=\$\((.+?)\)\n", script.read_text()).group(1)],
+        cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+    assert extracted == _readme_commands()[1]
+
+
+def test_environment_yml_matches_pyproject():
+    env = yaml.safe_load((ROOT / "environment.yml").read_text())
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    deps = env["dependencies"]
+    assert "python=3.11" in deps and "pip" in deps
+    pip = next(d["pip"] for d in deps if isinstance(d, dict))
+    assert pip == ["-e .[dev]"]
+    assert "dev" in project["optional-dependencies"]
+    low = re.search(r">=\s*([\d.]+)", project["requires-python"]).group(1)
+    assert tuple(map(int, low.split("."))) <= (3, 11)
+
+
+def test_top_level_layout():
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    if not tracked:  # not a git checkout: look at the tree instead
+        tracked = [str(p.relative_to(ROOT)) for p in ROOT.iterdir()]
+    top = {p.split("/")[0] for p in tracked}
+    expected = {"README.md", "environment.yml", "pyproject.toml", "notebooks", "dpcourse",
+                "launch", "tests", ".ci", ".gitignore"}
+    assert top <= expected, f"unexpected top-level entries: {top - expected}"
+
+
+def test_notebooks_are_stored_without_outputs():
+    books = glob.glob(str(ROOT / "notebooks" / "**" / "*.ipynb"), recursive=True)
+    assert len(books) >= 2
+    for book in books:
+        cells = json.loads(Path(book).read_text())["cells"]
+        for cell in cells:
+            if cell["cell_type"] == "code":
+                assert cell["outputs"] == [] and cell["execution_count"] is None, book
