@@ -80,7 +80,16 @@ def _fail_on_rank_1():
     dist.all_reduce(torch.ones(1))
 
 
-def main(world_size: int = 4, rounds: int = 3) -> int:
+HELP = "the worker pool: start-up, call overhead, recovery, vs spawn per call"
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the slow measurements")
+
+
+def main(args) -> int:
+    world_size, rounds = args.world_size, args.rounds
     rows = []
 
     def row(name, value, unit, versus="", target="", ok=None):
