@@ -234,3 +234,18 @@ def test_run_cell_keeps_a_namespace_per_rank(cluster2):
     assert cluster2.run_cell("y = 1") == [None, None]
     with pytest.raises(dpc.RankError, match="NameError"):
         cluster2.run_cell("undefined_name")
+
+
+def test_a_crashing_rank_shows_its_python_stack(cluster2):
+    def crash_in_native_code():
+        if dist.get_rank() == 0:
+            import ctypes
+            ctypes.string_at(0)  # reads address 0: SIGSEGV
+        dist.barrier()
+
+    with pytest.raises(dpc.RankDied) as info:
+        cluster2.run(crash_in_native_code)
+    report = info.value.failures[0]
+    assert "killed by signal 11 (SIGSEGV)" in report.summary
+    assert "crash_in_native_code" in report.traceback and "Segmentation fault" in report.traceback
+    assert cluster2.run(lambda: dist.get_rank()) == [0, 1]

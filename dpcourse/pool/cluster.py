@@ -13,8 +13,10 @@ stops the ranks; and no rank outlives the kernel.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 import weakref
 
@@ -33,6 +35,11 @@ def current_cluster() -> "Cluster | None":
     """The most recently started cluster that is still open (used by %%ranks)."""
     cluster = _current() if _current else None
     return cluster if cluster is not None and not cluster.closed else None
+
+
+def _close(launcher: LauncherProcess, crash_dir: str) -> None:
+    launcher.close()
+    shutil.rmtree(crash_dir, ignore_errors=True)
 
 
 def resolve_backend(backend: str, world_size: int) -> str:
@@ -74,8 +81,9 @@ class Cluster:
         self._run_id = 0
         self._gen: Generation | None = None
         self.closed = False
+        self._crash_dir = tempfile.mkdtemp(prefix="dpcourse-")
         self._launcher = LauncherProcess(start_timeout)
-        self._finalizer = weakref.finalize(self, LauncherProcess.close, self._launcher)
+        self._finalizer = weakref.finalize(self, _close, self._launcher, self._crash_dir)
         try:
             self._start_ranks()
         except BaseException:
@@ -150,10 +158,20 @@ class Cluster:
             raise ClusterError("this Cluster was shut down; start a new one with "
                                f"dpc.Cluster(world_size={self.world_size})")
 
-    def _spec(self, port: int) -> dict:
+    def _spec(self, port: int, number: int) -> dict:
         return {"world_size": self.world_size, "backend": self.backend, "port": port,
                 "cwd": os.getcwd(), "sys_path": list(sys.path),
-                "env": {**os.environ, **self._env}, "num_threads": self.num_threads}
+                "env": {**os.environ, **self._env}, "num_threads": self.num_threads,
+                "crash_log": os.path.join(self._crash_dir, f"generation{number}-rank{{rank}}.log")}
+
+    def _crash_log(self, gen: Generation, rank: int) -> str:
+        """What faulthandler wrote when the rank crashed (a segfault's Python stack), if anything."""
+        path = os.path.join(self._crash_dir, f"generation{gen.number}-rank{rank}.log")
+        try:
+            with open(path, errors="replace") as f:
+                return f.read()[-4000:]
+        except OSError:
+            return ""
 
     def _start_ranks(self, attempts: int = 3) -> None:
         for attempt in range(attempts):
@@ -173,7 +191,7 @@ class Cluster:
         self._gen = None
         self._sent_sources.clear()
         port = self._master_port or free_port()
-        self._gen = self._launcher.spawn(self._spec(port), number)
+        self._gen = self._launcher.spawn(self._spec(port, number), number)
 
     def _wait_ready(self) -> None:
         gen = self._gen
@@ -288,7 +306,8 @@ class Cluster:
             for rank, msg in self._poll(gen, pending, 0.05 if first_failure else 0.1):
                 pending.discard(rank)
                 if msg is None:
-                    reports[rank] = RankReport(rank, "died", self._exit_text(gen, rank))
+                    reports[rank] = RankReport(rank, "died", self._exit_text(gen, rank),
+                                               self._crash_log(gen, rank))
                 elif msg[0] == "ok":
                     results[rank] = msg[2]
                     reports[rank] = RankReport(rank, "finished", "finished")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import codecs
 import datetime
+import faulthandler
 import fcntl
 import io
 import linecache
@@ -124,6 +125,10 @@ class Rank:
             pass
         sys.path[:] = spec["sys_path"]
         self.output = OutputForwarder(self.send_control)
+        # A segfault kills the output thread with the process; faulthandler's file survives,
+        # and the kernel shows it in the RankDied report.
+        self._crash_file = open(spec["crash_log"].format(rank=rank), "w")
+        faulthandler.enable(self._crash_file, all_threads=False)
         signal.signal(signal.SIGINT, self._on_sigint)
         import torch
         import torch.distributed as dist
