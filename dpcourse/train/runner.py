@@ -1,0 +1,186 @@
+"""One training loop for every strategy, run on each rank of an initialised process group.
+
+The same function runs under ``torchrun`` (``python -m dpcourse.train``) and on the
+notebook's ranks (``cluster.run(dpc.train.train, cfg)``); it never depends on the latter.
+What a correct DDP/FSDP script does, it does visibly: a ``DistributedSampler`` with
+``set_epoch``, identical initial weights, logging and saving on rank 0 only, checkpoints
+through DCP, and the loss averaged over ranks (the loss of the global batch).
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, DistributedSampler
+
+from .. import models
+from . import checkpoint, parallel
+from .config import TrainConfig
+
+
+def rank_device() -> torch.device:
+    """``cuda:LOCAL_RANK`` under NCCL, else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def build(cfg: TrainConfig, device: torch.device):
+    """Model (wrapped), optimizer, sampler and loader for this rank."""
+    model = models.build_model(cfg.model, seed=cfg.seed, **cfg.model_sizes).to(device)
+    blocks = models.wrap_classes(cfg.model)
+    if cfg.strategy == "ddp":
+        model = parallel.apply_ddp(model, device, cfg)  # broadcasts rank 0's weights itself
+    else:
+        parallel.broadcast_module(model)
+        apply = parallel.apply_fsdp if cfg.strategy == "fsdp" else parallel.apply_fsdp2
+        model = apply(model, device, cfg, blocks)
+    optimizer = make_optimizer(cfg, model.parameters())
+    dataset = models.make_dataset(cfg.model, cfg.num_samples, seed=cfg.seed + 1, **cfg.model_sizes)
+    sampler = DistributedSampler(dataset, num_replicas=dist.get_world_size(), rank=dist.get_rank(),
+                                 shuffle=True, seed=cfg.seed, drop_last=True)
+    loader = DataLoader(dataset, batch_size=cfg.batch_size, sampler=sampler, drop_last=True)
+    return model, optimizer, sampler, loader
+
+
+def make_optimizer(cfg: TrainConfig, params):
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=0.9)
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.01)
+
+
+def batches(loader, sampler, start_step: int, steps: int):
+    """(step, batch) from ``start_step`` on, calling ``set_epoch`` at every epoch start."""
+    per_epoch = len(loader)
+    step = start_step
+    while step < steps:
+        epoch, skip = divmod(step, per_epoch)
+        sampler.set_epoch(epoch)  # without it every epoch repeats the same shuffle
+        for i, batch in enumerate(loader):
+            if i < skip:
+                continue
+            yield step, batch
+            step += 1
+            if step >= steps:
+                return
+
+
+def train(cfg: TrainConfig, return_state: bool = False) -> dict:
+    """Train for ``cfg.steps`` steps on this rank; return this rank's metrics.
+
+    Metrics: ``losses`` (global-batch loss per step), ``step_time_s`` and ``step_cpu_s``
+    (wall and CPU seconds per step), ``samples_per_s`` (global, median step), ``applied``.
+    With ``return_state``, rank 0 also returns the full model state dict (CPU tensors).
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = rank_device()
+    cfg.validate(world, device.type)
+    model, optimizer, sampler, loader = build(cfg, device)
+    applied = parallel.describe(model, cfg)
+    start = checkpoint.load(cfg.checkpoint_dir, model, optimizer) if cfg.resume else 0
+    if rank == 0:
+        print(f"{applied}; steps {start}..{cfg.steps}, global batch {cfg.batch_size * world}")
+    autocast = (torch.autocast(device.type, dtype=parallel._DTYPES[cfg.mixed_precision])
+                if cfg.strategy == "ddp" and cfg.mixed_precision != "fp32" else contextlib.nullcontext())
+    losses, wall, cpu = [], [], []
+    for step, (x, y) in batches(loader, sampler, start, cfg.steps):
+        t0, c0 = time.perf_counter(), time.process_time()
+        x, y = x.to(device), y.to(device)
+        with autocast:
+            loss = models.loss_fn(cfg.model, model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        global_loss = loss.detach().float().clone()
+        dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)  # mean over ranks = global batch mean
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+        losses.append(global_loss.item())
+        if cfg.progress and rank == 0:
+            end = "\n" if step + 1 == cfg.steps else ""
+            print(f"\rstep {step + 1}/{cfg.steps} loss {losses[-1]:.4f}", end=end, flush=True)
+    if cfg.checkpoint_dir:
+        checkpoint.save(cfg.checkpoint_dir, model, optimizer, step=cfg.steps)
+    metrics = {"rank": rank, "world_size": world, "applied": applied, "first_step": start,
+               "losses": losses, "step_time_s": wall, "step_cpu_s": cpu,
+               "samples_per_s": (cfg.batch_size * world / sorted(wall)[len(wall) // 2]) if wall else 0.0}
+    if return_state:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        # cpu_offload=True segfaults for FSDP1 when the parameters already live on the CPU
+        # (torch 2.13, Gloo); gather in place and copy to the CPU ourselves.
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        metrics["state"] = {k: v.detach().cpu() for k, v in full.items()} if rank == 0 else None
+    return metrics
+
+
+def train_single_process(cfg: TrainConfig, world_size: int) -> dict:
+    """The reference: one process, no process group, on the same global batches.
+
+    Step s's global batch is the concatenation of what each rank's ``DistributedSampler``
+    gives it at step s, so a correct data-parallel run must reproduce these losses.
+    """
+    model = models.build_model(cfg.model, seed=cfg.seed, **cfg.model_sizes)
+    optimizer = make_optimizer(cfg, model.parameters())
+    dataset = models.make_dataset(cfg.model, cfg.num_samples, seed=cfg.seed + 1, **cfg.model_sizes)
+    streams = []
+    for r in range(world_size):
+        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=r, shuffle=True,
+                                     seed=cfg.seed, drop_last=True)
+        loader = DataLoader(dataset, batch_size=cfg.batch_size, sampler=sampler, drop_last=True)
+        streams.append(batches(loader, sampler, 0, cfg.steps))
+    losses = []
+    for per_rank in zip(*streams):
+        x = torch.cat([b[1][0] for b in per_rank])
+        y = torch.cat([b[1][1] for b in per_rank])
+        loss = models.loss_fn(cfg.model, model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def main(argv=None) -> int:
+    """``python -m dpcourse.train``: run under torchrun (or alone as world size 1)."""
+    import json
+    import os
+
+    from .config import ConfigError, parse_args
+
+    cfg = parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    backend = cfg.backend
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() > 0 else "gloo"
+    try:
+        if backend == "nccl" and not torch.cuda.is_available():
+            raise ConfigError("backend nccl needs CUDA GPUs; use --backend gloo on CPUs")
+        cfg.validate(world, "cuda" if backend == "nccl" else "cpu")
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if "RANK" not in os.environ:  # plain `python -m dpcourse.train`: a world of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", "29512"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    dist.init_process_group(backend)
+    try:
+        metrics = train(cfg)
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, metrics)
+        if dist.get_rank() == 0 and cfg.metrics_path:  # only rank 0 writes files
+            with open(cfg.metrics_path, "w") as f:
+                json.dump({"config": vars(cfg), "ranks": everyone}, f, indent=1)
+    finally:
+        # Every rank must reach this point before the group goes away: without the barrier,
+        # agents on different "nodes" tear down while peers still talk (seen as SIGABRT).
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0
