@@ -18,3 +18,4 @@ def load_ipython_extension(ipython) -> None:
     from .pool.magic import RanksMagics
 
     ipython.register_magics(RanksMagics)
+from . import models, train  # noqa: E402  (dpc.models, dpc.train)
