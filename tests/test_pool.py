@@ -249,3 +249,13 @@ def test_a_crashing_rank_shows_its_python_stack(cluster2):
     assert "killed by signal 11 (SIGSEGV)" in report.summary
     assert "crash_in_native_code" in report.traceback and "Segmentation fault" in report.traceback
     assert cluster2.run(lambda: dist.get_rank()) == [0, 1]
+
+
+def test_killing_the_launcher_takes_the_ranks_with_it_and_says_so():
+    cluster = dpc.Cluster(world_size=2)
+    ranks = cluster.pids
+    os.kill(cluster.launcher_pid, signal.SIGKILL)
+    assert wait_gone(ranks, 10) == []  # their death signal fired
+    with pytest.raises(dpc.ClusterError, match="launcher process ended.*create a new Cluster"):
+        cluster.run(lambda: None)
+    cluster.shutdown()
