@@ -84,3 +84,37 @@ def test_a_bad_option_on_the_ranks_raises_before_training(cluster2):
 
     with pytest.raises(dpc.RankError, match="unknown strategy"):
         cluster2.run(train, TrainConfig(strategy="zero"))
+
+
+@pytest.mark.parametrize("options", [
+    dict(strategy="ddp"), dict(strategy="fsdp"), dict(strategy="fsdp", sharding_strategy="SHARD_GRAD_OP"),
+    dict(strategy="fsdp", sharding_strategy="NO_SHARD"), dict(strategy="fsdp", auto_wrap="size"),
+    dict(strategy="fsdp2"), dict(strategy="fsdp2", reshard_after_forward=False),
+], ids=lambda o: "-".join(map(str, o.values())))
+def test_bytes_per_step_measured_from_pytorch_equal_the_theory(cluster4, options):
+    """The logical bytes of the c10d ops DDP/FSDP really call, unit by unit, equal volume.step_bytes."""
+    comm = cluster4.run(train, TrainConfig(steps=3, batch_size=4, progress=False, **options))[0]["comm"]
+    assert comm["measured"] == pytest.approx(comm["theory"], abs=1)
+    assert comm["wire"] >= 0.98 * comm["gloo_wire_theory"]  # Gloo's own bytes, plus headers
+
+
+def test_step_volume_formulas():
+    from dpcourse.train import volume
+
+    psi = 1000 * 4
+    # DDP: 2(N-1)/N Ψ; FULL_SHARD: 3(N-1)/N Ψ when everything sits in wrapped units.
+    assert volume.step_bytes("ddp", 4, [psi]) == {"all_reduce": 2 * 3 / 4 * psi}
+    full = volume.step_bytes("fsdp", 4, [psi])
+    assert sum(full.values()) == pytest.approx(3 * 3 / 4 * psi)
+    assert sum(full.values()) / sum(volume.step_bytes("ddp", 4, [psi]).values()) == pytest.approx(1.5)
+    # The root unit is gathered once: its bytes count 2x, a block's 3x.
+    assert sum(volume.step_bytes("fsdp", 2, [], root_bytes=psi).values()) == pytest.approx(2 * psi / 2)
+    assert volume.step_bytes("fsdp", 4, [psi], sharding_strategy="SHARD_GRAD_OP") == \
+        volume.step_bytes("fsdp2", 4, [psi], reshard_after_forward=False)
+    hybrid = volume.step_bytes("fsdp", 4, [psi], sharding_strategy="HYBRID_SHARD", hybrid_shard_size=2)
+    assert hybrid == pytest.approx({"all_gather": 2 * psi / 2, "reduce_scatter": psi / 2,
+                                    "all_reduce": 2 * (1 / 2) * psi / 2})
+    assert volume.step_bytes("ddp", 1, [psi]) == {"all_reduce": 0.0}
+    # Gloo's reduce_scatter sends like an all_reduce: FULL_SHARD costs 2x DDP's wire bytes.
+    wire = lambda v, n: sum(b * volume.gloo_wire_factor(c, n) / volume._ring(c, 1, n) for c, b in v.items())
+    assert wire(full, 4) / wire(volume.step_bytes("ddp", 4, [psi]), 4) == pytest.approx(2.0)

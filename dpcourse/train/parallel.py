@@ -86,7 +86,9 @@ def apply_fsdp2(model: nn.Module, device: torch.device, cfg: TrainConfig, block_
                        and module is not model)
             if is_unit:
                 fully_shard(module, **kwargs)
-    fully_shard(model, **kwargs)
+    # None lets FSDP2 keep the root gathered after forward (backward needs it at once), as
+    # FSDP1 does; an explicit True would free it and all-gather it again.
+    fully_shard(model, **{**kwargs, "reshard_after_forward": None if cfg.reshard_after_forward else False})
     return model
 
 

@@ -17,7 +17,8 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
 from .. import models
-from . import checkpoint, parallel
+from ..collectives.meter import measure_bytes_sent
+from . import checkpoint, parallel, volume
 from .config import TrainConfig
 
 
@@ -85,15 +86,25 @@ def train(cfg: TrainConfig, return_state: bool = False) -> dict:
         print(f"{applied}; steps {start}..{cfg.steps}, global batch {cfg.batch_size * world}")
     autocast = (torch.autocast(device.type, dtype=parallel._DTYPES[cfg.mixed_precision])
                 if cfg.strategy == "ddp" and cfg.mixed_precision != "fp32" else contextlib.nullcontext())
-    losses, wall, cpu = [], [], []
-    for step, (x, y) in batches(loader, sampler, start, cfg.steps):
-        t0, c0 = time.perf_counter(), time.process_time()
-        x, y = x.to(device), y.to(device)
+    def one_step(x, y):
         with autocast:
             loss = models.loss_fn(cfg.model, model(x), y)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    losses, wall, cpu, comm = [], [], [], None
+    for step, (x, y) in batches(loader, sampler, start, cfg.steps):
+        x, y = x.to(device), y.to(device)
+        # Measure the last step if it is a steady one: DDP's first step uses one bucket, and its
+        # second starts by broadcasting the rebuilt bucket order.
+        if step + 1 == cfg.steps and step >= start + 2:
+            sent = measure_bytes_sent(one_step, x, y)
+            loss, comm = sent.result, _comm_report(cfg, model, sent)
+        t0, c0 = time.perf_counter(), time.process_time()
+        if comm is None or step + 1 < cfg.steps:
+            loss = one_step(x, y)
         global_loss = loss.detach().float().clone()
         dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)  # mean over ranks = global batch mean
         wall.append(time.perf_counter() - t0)
@@ -105,7 +116,7 @@ def train(cfg: TrainConfig, return_state: bool = False) -> dict:
     if cfg.checkpoint_dir:
         checkpoint.save(cfg.checkpoint_dir, model, optimizer, step=cfg.steps)
     metrics = {"rank": rank, "world_size": world, "applied": applied, "first_step": start,
-               "losses": losses, "step_time_s": wall, "step_cpu_s": cpu,
+               "losses": losses, "step_time_s": wall, "step_cpu_s": cpu, "comm": comm,
                "samples_per_s": (cfg.batch_size * world / sorted(wall)[len(wall) // 2]) if wall else 0.0}
     if return_state:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -115,6 +126,42 @@ def train(cfg: TrainConfig, return_state: bool = False) -> dict:
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
         metrics["state"] = {k: v.detach().cpu() for k, v in full.items()} if rank == 0 else None
     return metrics
+
+
+def unit_names(model) -> list[str]:
+    """Names (in the unwrapped model) of the modules FSDP made units of; "" is the root."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    names = []
+    for name, module in model.named_modules():
+        if isinstance(module, (FullyShardedDataParallel, FSDPModule)):
+            names.append(name.replace("_fsdp_wrapped_module.", "").replace("_fsdp_wrapped_module", "").rstrip("."))
+    return names
+
+
+def _comm_report(cfg: TrainConfig, model, sent) -> dict:
+    """Bytes this rank sent in one step: measured (logical, by collective; wire) next to theory."""
+    plain = models.build_model(cfg.model, seed=cfg.seed, **cfg.model_sizes)
+    itemsize = 4  # fp32 parameters
+    if cfg.strategy == "ddp":
+        units, root = [itemsize * sum(p.numel() for p in plain.parameters())], 0
+    else:
+        names = unit_names(model)
+        sizes = {n: itemsize * sum(p.numel() for p in plain.get_submodule(n).parameters()) for n in names}
+        nested = {n: sum(sizes[m] for m in names if m != n and (n == "" or m.startswith(n + "."))) for n in names}
+        own = {n: sizes[n] - nested[n] for n in names}
+        root, units = own.pop("", 0), list(own.values())
+    world = dist.get_world_size()
+    theory = volume.step_bytes(cfg.strategy, world, units, root, cfg.sharding_strategy,
+                               cfg.reshard_after_forward, cfg.hybrid_shard_size)
+    measured: dict[str, int] = {}
+    for record in sent.records:
+        if record.logical_sent:
+            measured[record.collective] = measured.get(record.collective, 0) + record.logical_sent
+    wire_theory = sum(bytes_ * volume.gloo_wire_factor(c, world) / volume.gloo_wire_factor("all_gather", world)
+                      if c == "reduce_scatter" else bytes_ for c, bytes_ in theory.items())
+    return {"param_bytes": root + sum(units), "theory": theory, "measured": measured,
+            "wire": sent.wire, "gloo_wire_theory": wire_theory}
 
 
 def train_single_process(cfg: TrainConfig, world_size: int) -> dict:
