@@ -18,4 +18,20 @@ def load_ipython_extension(ipython) -> None:
     from .pool.magic import RanksMagics
 
     ipython.register_magics(RanksMagics)
-from . import models, train  # noqa: E402  (dpc.models, dpc.train)
+
+
+# Subpackages load on first use (dpc.train, dpc.viz, ...): `import dpcourse` stays cheap, and
+# the launcher and ranks, which import it, never load drawing code they do not use.
+_SUBPACKAGES = ("collectives", "memory", "models", "scratch", "train", "viz")
+
+
+def __getattr__(name):
+    if name in _SUBPACKAGES:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_SUBPACKAGES))

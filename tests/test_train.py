@@ -90,6 +90,7 @@ def test_a_bad_option_on_the_ranks_raises_before_training(cluster2):
     dict(strategy="ddp"), dict(strategy="fsdp"), dict(strategy="fsdp", sharding_strategy="SHARD_GRAD_OP"),
     dict(strategy="fsdp", sharding_strategy="NO_SHARD"), dict(strategy="fsdp", auto_wrap="size"),
     dict(strategy="fsdp2"), dict(strategy="fsdp2", reshard_after_forward=False),
+    dict(strategy="fsdp", sharding_strategy="HYBRID_SHARD", hybrid_shard_size=2),
 ], ids=lambda o: "-".join(map(str, o.values())))
 def test_bytes_per_step_measured_from_pytorch_equal_the_theory(cluster4, options):
     """The logical bytes of the c10d ops DDP/FSDP really call, unit by unit, equal volume.step_bytes."""

@@ -1,0 +1,20 @@
+"""Collectives from point-to-point messages, and PyTorch's own, measured and shown live.
+
+    ring_all_reduce(t)                 # like dist.all_reduce(t), built on isend/irecv
+    ring_reduce_scatter / ring_all_gather, naive_all_reduce, whole_ring_all_reduce
+    trace = Trace(); ring_all_reduce(t, trace=trace)   # on each rank; Trace.merge in the kernel
+    simulate("ring_all_reduce", world_size, numel)     # the same schedule, no processes
+    measure_bytes_sent(fn)             # on a rank: logical (c10d ops) and wire bytes
+    run_collective(cluster, "all_gather")              # any collective, before/after per rank
+
+Modules: schedule (who sends what when), trace, ring, naive, cost (formulas), meter, live.
+"""
+from .cost import (algbw, bus_factor, busbw, bytes_sent_per_rank, num_steps,
+                   ring_all_reduce_busbw, ring_all_reduce_seconds)
+from .live import COLLECTIVES, LiveResult, contributions, expected_after, run_collective
+from .meter import BytesSent, C10dMeter, CommRecord, measure_bytes_sent, wire_bytes_written
+from .naive import naive_all_reduce, whole_ring_all_reduce
+from .ring import ring_all_gather, ring_all_reduce, ring_reduce_scatter
+from .schedule import ALGORITHMS, algorithm_steps, chunk_bounds, simulate
+from .trace import Frame, Trace, Transfer
+from .traced import TracedRun, rank_input, trace_all_reduce

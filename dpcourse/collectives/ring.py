@@ -1,0 +1,214 @@
+"""Ring reduce-scatter, all-gather and all-reduce, built only on ``dist.isend``/``dist.irecv``.
+
+The ranks form a ring (rank r sends to r+1, receives from r-1) and the tensor is cut into N
+chunks (``schedule.chunk_bounds``). Reduce-scatter: N-1 steps, each rank passes one chunk on
+and adds the chunk that arrives; afterwards rank r holds chunk r fully reduced. All-gather:
+N-1 more steps pass the reduced chunks on until every rank has all of them. Each rank sends
+(N-1)/N of the tensor per phase, 2(N-1)/N in all -- the least any all-reduce can send per
+rank (Patarasuk & Yuan, "Bandwidth optimal all-reduce algorithms for clusters of
+workstations", JPDC 2009). The steps are ``schedule.ring_all_reduce_steps``.
+
+Speed: each chunk travels in segments, and a segment moves on as soon as it has been
+added, so sending the next step overlaps adding the rest of this one (the pipelined ring of
+the paper above). Each segment's receive for the next step is posted right after its send
+(on Gloo's TCP transport a receive posted long before the peer's send stalled that message
+by milliseconds in our measurements on 2 cores), into a reused buffer
+(reduce-scatter) or straight into the tensor (all-gather): no data is copied in Python.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .checks import check_same_size, flat_view, group_info, reduce_op_name
+from .schedule import chunk_bounds
+
+# A chunk is split into segments of about this many bytes (at most MAX_SEGMENTS of them):
+# small enough to overlap sends with adds, large enough that per-message costs stay small.
+# Chosen with `python -m dpcourse.bench collectives`.
+SEGMENT_BYTES = 1 << 20
+MAX_SEGMENTS = 8
+
+
+def _segments(lo: int, hi: int, itemsize: int) -> list[tuple[int, int]]:
+    """Segment bounds (elements) of chunk [lo, hi); both ring neighbours compute the same."""
+    count = max(1, min(MAX_SEGMENTS, -(-(hi - lo) * itemsize // SEGMENT_BYTES), hi - lo))
+    return [(lo + a, lo + b) for a, b in chunk_bounds(hi - lo, count)]
+
+
+_SCRATCH: dict = {}  # (dtype, device) -> buffer reused by later calls on this rank
+
+
+def _scratch(numel: int, like: torch.Tensor) -> torch.Tensor:
+    """A receive buffer of ``numel`` elements, kept between calls: a fresh large buffer
+    costs a page fault per 4 KiB the first time it is written, as much as the add itself."""
+    key = (like.dtype, like.device)
+    buf = _SCRATCH.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = _SCRATCH[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
+    return buf[:numel]
+
+
+class _Ring:
+    """One rank's view of the ring for one call: neighbours, chunks, messages in flight."""
+
+    def __init__(self, flat, group, rank, world_size, trace):
+        self.flat, self.group, self.rank, self.n = flat, group, rank, world_size
+        self.right, self.left = (rank + 1) % world_size, (rank - 1) % world_size
+        self.bounds = chunk_bounds(flat.numel(), world_size)
+        self.segs = [_segments(lo, hi, flat.element_size()) for lo, hi in self.bounds]
+        self.trace = trace
+        self.sends: dict[tuple[int, int], object] = {}  # (chunk, segment) -> send in flight
+        self.tag = 0
+
+    def chunk(self, c):
+        lo, hi = self.bounds[c]
+        return self.flat[lo:hi]
+
+    def send(self, phase, step, c, j):
+        """Post segment j of chunk c to the right-hand neighbour (tags: one per message)."""
+        lo, hi = self.segs[c][j]
+        self.sends[c, j] = dist.isend(self.flat[lo:hi], group=self.group, group_dst=self.right,
+                                      tag=self._tag(step, j))
+        if self.trace is not None and j == len(self.segs[c]) - 1:
+            self.trace.sent(phase, step, self.rank, self.right, c, self.chunk(c))
+
+    def recv(self, step, c, j, into):
+        self.wait_send(c, j)  # never overwrite a segment that is still being sent
+        return dist.irecv(into, group=self.group, group_src=self.left, tag=self._tag(step, j))
+
+    def _tag(self, step, j):
+        return step * MAX_SEGMENTS + j
+
+    def wait_send(self, c, j):
+        work = self.sends.pop((c, j), None)
+        if work is not None:
+            work.wait()
+
+    def wait_all(self):
+        for key in list(self.sends):
+            self.wait_send(*key)
+
+
+def _reduce_scatter(ring: _Ring, avg: bool, then_all_gather: bool) -> None:
+    """The reduce-scatter phase; with ``then_all_gather`` also posts the all-gather's first
+    sends, segment by segment, as soon as the own chunk's segments are complete."""
+    n, r, flat = ring.n, ring.rank, ring.flat
+    cap = max(hi - lo for segs in ring.segs for lo, hi in segs)
+    scratch = _scratch(2 * MAX_SEGMENTS * cap, flat)
+    # two banks of segment slots: step s+1 receives into one while step s's adds still
+    # read the other
+    slot = [[scratch[(b * MAX_SEGMENTS + j) * cap:(b * MAX_SEGMENTS + j + 1) * cap]
+             for j in range(MAX_SEGMENTS)] for b in range(2)]
+
+    def post_recv(step, j):
+        c = (r - step - 2) % n
+        lo, hi = ring.segs[c][j]
+        return ring.recv(step, c, j, slot[step % 2][j][:hi - lo])
+
+    def post_rest(step, posted):  # receives of `step` not yet posted
+        return posted + [post_recv(step, j) for j in range(len(posted), len(ring.segs[(r - step - 2) % n]))]
+
+    for j in range(len(ring.segs[(r - 1) % n])):
+        ring.send("reduce-scatter", 0, (r - 1) % n, j)
+    recvs = post_rest(0, [])
+    for s in range(n - 1):
+        c = (r - s - 2) % n  # arriving now; we send it on at step s+1 (or own it after)
+        last = s == n - 2
+        upcoming = []
+        for j, (lo, hi) in enumerate(ring.segs[c]):
+            recvs[j].wait()
+            flat[lo:hi].add_(slot[s % 2][j][:hi - lo])
+            if not last:
+                ring.send("reduce-scatter", s + 1, c, j)  # this segment is complete: pass it on
+                if j < len(ring.segs[(c - 1) % n]):
+                    upcoming.append(post_recv(s + 1, j))
+            else:
+                if avg:
+                    flat[lo:hi].div_(n)
+                if then_all_gather:
+                    ring.send("all-gather", n - 1, c, j)
+        recvs = [] if last else post_rest(s + 1, upcoming)
+
+
+def _all_gather(ring: _Ring, first_step: int, first_sent: bool) -> None:
+    """The all-gather phase: receive each chunk straight into place and pass it on."""
+    n, r, flat = ring.n, ring.rank, ring.flat
+    if not first_sent:
+        for j in range(len(ring.segs[r])):
+            ring.send("all-gather", first_step, r, j)
+
+    def post_recv(s, j):
+        c = (r - s - 1) % n  # chunk r-s-1 arrives at step s
+        lo, hi = ring.segs[c][j]
+        return ring.recv(first_step + s, c, j, flat[lo:hi])
+
+    recvs = [post_recv(0, j) for j in range(len(ring.segs[(r - 1) % n]))]
+    for s in range(n - 1):
+        c = (r - s - 1) % n
+        upcoming = []
+        for j, work in enumerate(recvs):
+            work.wait()
+            if s < n - 2:
+                ring.send("all-gather", first_step + s + 1, c, j)
+                if j < len(ring.segs[(c - 1) % n]):
+                    upcoming.append(post_recv(s + 1, j))
+        if s < n - 2:
+            upcoming += [post_recv(s + 1, j) for j in range(len(upcoming), len(ring.segs[(c - 1) % n]))]
+        recvs = upcoming
+
+
+def _start(tensor, group, trace, caller, algorithm):
+    flat = flat_view(tensor, caller)
+    group, rank, n = group_info(group)
+    check_same_size(flat, group, n, caller)
+    if trace is not None:
+        trace.start(algorithm, n, rank, flat)
+    return flat, _Ring(flat, group, rank, n, trace)
+
+
+def ring_reduce_scatter(tensor: torch.Tensor, op="sum", group=None, trace=None) -> torch.Tensor:
+    """Ring reduce-scatter in place; returns this rank's reduced chunk (a view of ``tensor``).
+
+    Chunk r of the flattened tensor is ``schedule.chunk_bounds(numel, N)[r]``; the other
+    chunks are left holding partial sums. Each rank sends (N-1)/N of the tensor's bytes.
+    """
+    flat, ring = _start(tensor, group, trace, "ring_reduce_scatter", "ring_reduce_scatter")
+    avg = reduce_op_name(op, tensor, "ring_reduce_scatter") == "avg"
+    if ring.n > 1:
+        _reduce_scatter(ring, avg, then_all_gather=False)
+        ring.wait_all()
+    if trace is not None:
+        trace.finish(ring.rank, flat)
+    return ring.chunk(ring.rank)
+
+
+def ring_all_gather(tensor: torch.Tensor, group=None, trace=None) -> torch.Tensor:
+    """Ring all-gather in place: rank r's chunk r of ``tensor`` goes to every rank.
+
+    Chunk bounds as in ``ring_reduce_scatter``; each rank sends (N-1)/N of the tensor.
+    Returns ``tensor``.
+    """
+    flat, ring = _start(tensor, group, trace, "ring_all_gather", "ring_all_gather")
+    if ring.n > 1:
+        _all_gather(ring, 0, first_sent=False)
+        ring.wait_all()
+    if trace is not None:
+        trace.finish(ring.rank, flat)
+    return tensor
+
+
+def ring_all_reduce(tensor: torch.Tensor, op="sum", group=None, trace=None) -> None:
+    """Ring all-reduce in place, like ``dist.all_reduce(tensor)``: reduce-scatter, then
+    all-gather; 2(N-1) steps, each rank sends 2(N-1)/N of the tensor's bytes.
+
+    op: "sum" or "avg" (or ``dist.ReduceOp.SUM``/``AVG``). trace: a ``Trace`` to fill.
+    """
+    avg = reduce_op_name(op, tensor, "ring_all_reduce") == "avg"
+    flat, ring = _start(tensor, group, trace, "ring_all_reduce", "ring_all_reduce")
+    if ring.n > 1:
+        _reduce_scatter(ring, avg, then_all_gather=True)
+        _all_gather(ring, ring.n - 1, first_sent=True)
+        ring.wait_all()
+    if trace is not None:
+        trace.finish(ring.rank, flat)

@@ -1,0 +1,193 @@
+"""Our collectives on real ranks (N = 1..5) against PyTorch's, their traces, and misuse."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import dpcourse as dpc
+from dpcourse.collectives import (Trace, bytes_sent_per_rank, chunk_bounds, naive_all_reduce,
+                                  num_steps, ring_all_gather, ring_all_reduce, ring_reduce_scatter,
+                                  simulate, whole_ring_all_reduce)
+
+pytestmark = pytest.mark.timeout(180)
+NUMELS = (0, 1, 2, 3, 7, 100, 1001)
+DTYPES = (torch.float32, torch.float64, torch.int64, torch.int32)
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3, 4, 5], ids=lambda n: f"N{n}")
+def cluster(request):
+    with dpc.Cluster(world_size=request.param, timeout=60) as c:
+        yield c
+
+
+def _input(rank, numel, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    return torch.randint(-1000, 1000, (numel,), generator=g).to(dtype)  # integer-valued
+
+
+def _compare_with_pytorch():
+    """On every rank: each of our collectives vs PyTorch's on the same data, bitwise."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    bad = []
+    for numel in NUMELS + (n - 1,):
+        for dtype in DTYPES:
+            x = _input(rank, numel, dtype)
+            want = x.clone()
+            dist.all_reduce(want)
+            for fn in (ring_all_reduce, naive_all_reduce, whole_ring_all_reduce):
+                got = x.clone()
+                fn(got)
+                if not torch.equal(got, want):
+                    bad.append(f"{fn.__name__} numel={numel} {dtype}")
+            lo, hi = chunk_bounds(numel, n)[rank]
+            mine = torch.empty(hi - lo, dtype=dtype)  # Gloo's list form takes uneven chunks
+            dist.reduce_scatter(mine, list(x.tensor_split(n)))
+            if not torch.equal(ring_reduce_scatter(x.clone()), mine):
+                bad.append(f"ring_reduce_scatter numel={numel} {dtype}")
+            everyone = [_input(r, numel, dtype) for r in range(n)]
+            expected = torch.cat([everyone[r][slice(*chunk_bounds(numel, n)[r])] for r in range(n)])
+            if not torch.equal(ring_all_gather(x.clone()), expected):
+                bad.append(f"ring_all_gather numel={numel} {dtype}")
+            if numel % n == 0 and numel:
+                gathered = [torch.empty(numel // n, dtype=dtype) for _ in range(n)]
+                dist.all_gather(gathered, x.tensor_split(n)[rank].contiguous())
+                if not torch.equal(torch.cat(gathered), expected):
+                    bad.append(f"dist.all_gather disagrees numel={numel} {dtype}")
+        x = torch.randn(numel + 5, generator=torch.Generator().manual_seed(rank))
+        want, got = x.clone(), x.clone()
+        dist.all_reduce(want, op=dist.ReduceOp.AVG)
+        ring_all_reduce(got, op="avg")
+        if not torch.allclose(got, want, rtol=1e-6, atol=1e-6):
+            bad.append(f"avg numel={numel}")
+    matrix = _input(rank, 24, torch.float32).view(4, 6)  # any shape: flattened in place
+    want = matrix.clone()
+    dist.all_reduce(want)
+    ring_all_reduce(matrix, op=dist.ReduceOp.SUM)
+    if not torch.equal(matrix, want):
+        bad.append("2-D tensor")
+    return bad
+
+
+def test_every_variant_equals_pytorch_bitwise(cluster):
+    assert cluster.run(_compare_with_pytorch) == [[]] * cluster.world_size
+
+
+def _traced(algorithm, numel):
+    fns = {"ring_all_reduce": ring_all_reduce, "ring_reduce_scatter": ring_reduce_scatter,
+           "ring_all_gather": ring_all_gather, "naive_all_reduce": naive_all_reduce,
+           "whole_ring_all_reduce": whole_ring_all_reduce}
+    trace = Trace(record_values=True)
+    fns[algorithm](_input(dist.get_rank(), numel, torch.int64, seed=1), trace=trace)
+    return trace
+
+
+@pytest.mark.parametrize("numel", [0, 2, 13, 3000])
+def test_traces_equal_simulator_and_formulas(cluster, numel):
+    n = cluster.world_size
+    inputs = [_input(r, numel, torch.int64, seed=1) for r in range(n)]
+    for algorithm in ("ring_all_reduce", "ring_reduce_scatter", "ring_all_gather",
+                      "naive_all_reduce", "whole_ring_all_reduce"):
+        trace = Trace.merge(cluster.run(_traced, algorithm, numel))
+        sim = simulate(algorithm, n, numel, 8, inputs)
+        assert trace.transfers == sim.transfers, algorithm  # step, src, dst, chunk, bytes
+        assert all(torch.equal(a.values, b.values) for a, b in zip(trace.transfers, sim.transfers))
+        assert trace.bytes_sent() == bytes_sent_per_rank(algorithm, n, numel, 8)
+        assert trace.num_steps == num_steps(algorithm, n)
+        if algorithm.startswith("ring"):
+            assert len(trace) == n * num_steps(algorithm, n)
+        last = trace.frames()[-1]
+        assert all(torch.equal(last.values[r], trace.outputs[r]) for r in range(n))
+        assert all(torch.equal(trace.outputs[r], sim.outputs[r]) for r in range(n))
+
+
+def test_traced_run_ends_equal_to_dist_all_reduce(cluster):
+    run = dpc.collectives.trace_all_reduce(cluster, numel=10)
+    assert all(torch.equal(v, ref) for v, ref in zip(run.trace.frames()[-1].values, run.reference))
+    assert sum(run.trace.bytes_sent()) == 2 * (cluster.world_size - 1) * 10 * 8
+
+
+def _mismatched(kind):
+    rank = dist.get_rank()
+    numel = 10 + (rank == 1) if kind == "numel" else 10
+    dtype = torch.int64 if kind == "dtype" and rank == 1 else torch.float32
+    ring_all_reduce(torch.ones(numel, dtype=dtype))
+
+
+@pytest.mark.parametrize("kind", ["numel", "dtype"])
+def test_mismatched_tensors_raise_on_every_rank_instead_of_hanging(cluster, kind):
+    n = cluster.world_size
+    if n == 1:
+        pytest.skip("needs two ranks")
+    start = time.monotonic()
+    with pytest.raises(dpc.RankError) as info:
+        cluster.run(_mismatched, kind, timeout=20)
+    assert time.monotonic() - start < 10
+    assert set(info.value.failures) == set(range(n))
+    message = str(info.value.failures[0].exception)
+    assert isinstance(info.value.failures[0].exception, ValueError)
+    if kind == "numel":
+        assert "rank 0: 10 elements of float32, rank 1: 11 elements of float32" in message
+    else:
+        assert "rank 1: 10 elements of int64" in message
+    assert "same number of elements and dtype on every rank" in message
+
+
+def _bad_arguments():
+    errors = []
+    for call in (lambda: ring_all_reduce(torch.ones(4), op="max"),
+                 lambda: ring_all_reduce(torch.ones(4, dtype=torch.int64), op="avg"),
+                 lambda: ring_all_reduce(torch.ones(4, 4).t()),
+                 lambda: naive_all_reduce(torch.ones(4), root=99)):
+        try:
+            call()
+            errors.append(None)
+        except ValueError as err:
+            errors.append(str(err))
+    return errors
+
+
+def test_bad_arguments_are_named(cluster):
+    op, avg_int, strided, root = cluster.run(_bad_arguments)[0]
+    assert "op='sum' or op='avg'" in op and "'max'" in op
+    assert "needs a floating-point tensor" in avg_int
+    assert "contiguous" in strided
+    assert "root must be a rank" in root
+
+
+def _in_subgroup():
+    rank, n = dist.get_rank(), dist.get_world_size()
+    group = dist.new_group(list(range(0, n, 2)))  # every rank must call new_group
+    if rank % 2:
+        return None
+    x = _input(rank, 33, torch.int64)
+    want = x.clone()
+    dist.all_reduce(want, group=group)
+    trace = Trace()
+    ring_all_reduce(x, group=group, trace=trace)
+    return torch.equal(x, want), trace.world_size
+
+
+def test_ring_on_a_subgroup(cluster):
+    n = cluster.world_size
+    if n < 3:
+        pytest.skip("needs a proper subgroup of two or more ranks")
+    out = cluster.run(_in_subgroup)
+    assert out[0::2] == [(True, len(range(0, n, 2)))] * len(range(0, n, 2))
+
+
+def _subgroup_records():
+    from dpcourse.collectives.meter import C10dMeter
+
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mine = pairs[dist.get_rank() // 2]
+    with C10dMeter() as meter:
+        dist.all_reduce(torch.ones(8), group=mine)
+    return [(r.collective, r.world_size, r.logical_sent) for r in meter.records]
+
+
+def test_meter_counts_a_subgroup_collective_with_the_subgroup_size(cluster4):
+    # 8 floats all-reduced among 2 ranks: each sends 2(2-1)/2 * 32 bytes, not 2(4-1)/4 * 32.
+    assert cluster4.run(_subgroup_records) == [[("all_reduce", 2, 32)]] * 4
