@@ -119,3 +119,20 @@ def test_step_volume_formulas():
     # Gloo's reduce_scatter sends like an all_reduce: FULL_SHARD costs 2x DDP's wire bytes.
     wire = lambda v, n: sum(b * volume.gloo_wire_factor(c, n) / volume._ring(c, 1, n) for c, b in v.items())
     assert wire(full, 4) / wire(volume.step_bytes("ddp", 4, [psi]), 4) == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("options", [
+    dict(strategy="ddp"), dict(strategy="ddp", gradient_as_bucket_view=True),
+    dict(strategy="fsdp"), dict(strategy="fsdp", sharding_strategy="SHARD_GRAD_OP"),
+    dict(strategy="fsdp", sharding_strategy="HYBRID_SHARD", hybrid_shard_size=2),
+    dict(strategy="fsdp2"), dict(strategy="fsdp2", reshard_after_forward=False),
+], ids=lambda o: "-".join(map(str, o.values())))
+def test_runner_memory_at_rest_equals_the_ledger_on_every_rank(cluster4, options):
+    metrics = cluster4.run(train, TrainConfig(steps=3, batch_size=4, progress=False, measure_memory=True, **options))
+    for m in metrics:
+        compare = m["memory"]["compare"]
+        for category, (theory, measured) in compare["at_rest"].items():
+            assert measured == theory, (m["rank"], category)
+        theory_peak, measured_peak = compare["peak"]
+        assert 0.9 * theory_peak <= measured_peak <= 1.1 * theory_peak  # within 10 %
+        assert len(m["step_time_s"]) == 2  # the instrumented last step is not timed

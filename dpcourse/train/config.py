@@ -41,6 +41,7 @@ class TrainConfig:
     backend: str = "auto"                  # CLI only: gloo | nccl | auto
     metrics_path: str | None = None        # CLI only: write per-rank metrics as JSON
     progress: bool = True                  # progress bar on rank 0
+    measure_memory: bool = False           # record the last step's memory (slower step, not timed)
 
     def validate(self, world_size: int, device_type: str) -> None:
         """Raise ConfigError for anything that would fail (or silently mislead) later."""

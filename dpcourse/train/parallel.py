@@ -11,6 +11,7 @@ Order matters and is the same for every strategy:
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -64,9 +65,14 @@ def apply_fsdp(model: nn.Module, device: torch.device, cfg: TrainConfig, block_c
     if cfg.mixed_precision != "fp32":
         dtype = _DTYPES[cfg.mixed_precision]
         kwargs["mixed_precision"] = MixedPrecision(param_dtype=dtype, reduce_dtype=dtype, buffer_dtype=dtype)
-    return FSDP(model, sharding_strategy=ShardingStrategy[cfg.sharding_strategy],
-                auto_wrap_policy=_wrap_policy(cfg, block_classes), device_id=device,
-                use_orig_params=True, **kwargs)
+    with warnings.catch_warnings():
+        # PyTorch deprecates NO_SHARD in favour of DDP; the course compares them on purpose.
+        warnings.filterwarnings("ignore", "The `NO_SHARD` sharding strategy is deprecated", FutureWarning)
+        # use_orig_params=False: the optimizer steps the FlatParameters, which is what the
+        # memory ledger counts and what MemTracker can follow (it fails on the views).
+        return FSDP(model, sharding_strategy=ShardingStrategy[cfg.sharding_strategy],
+                    auto_wrap_policy=_wrap_policy(cfg, block_classes), device_id=device,
+                    use_orig_params=False, **kwargs)
 
 
 def apply_fsdp2(model: nn.Module, device: torch.device, cfg: TrainConfig, block_classes) -> nn.Module:

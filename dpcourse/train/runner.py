@@ -86,29 +86,56 @@ def train(cfg: TrainConfig, return_state: bool = False) -> dict:
         print(f"{applied}; steps {start}..{cfg.steps}, global batch {cfg.batch_size * world}")
     autocast = (torch.autocast(device.type, dtype=parallel._DTYPES[cfg.mixed_precision])
                 if cfg.strategy == "ddp" and cfg.mixed_precision != "fp32" else contextlib.nullcontext())
-    def one_step(x, y):
+    def one_step(x, y, after_optimizer_step=None):
         with autocast:
             loss = models.loss_fn(cfg.model, model(x), y)
         loss.backward()
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        if after_optimizer_step is not None:
+            after_optimizer_step()  # every model state is alive here: the ledger's "at rest"
+        optimizer.zero_grad(set_to_none=True)  # gradients are freed between steps
         return loss
 
-    losses, wall, cpu, comm = [], [], [], None
+    buckets = {}
+    if cfg.measure_memory and cfg.strategy == "ddp":
+        from ..memory.measure import capture_buckets
+
+        buckets = capture_buckets(model)  # DDP's buckets live in C++; its comm hook shows them
+    losses, wall, cpu, comm, memory = [], [], [], None, None
     for step, (x, y) in batches(loader, sampler, start, cfg.steps):
         x, y = x.to(device), y.to(device)
-        # Measure the last step if it is a steady one: DDP's first step uses one bucket, and its
-        # second starts by broadcasting the rebuilt bucket order.
-        if step + 1 == cfg.steps and step >= start + 2:
-            sent = measure_bytes_sent(one_step, x, y)
-            loss, comm = sent.result, _comm_report(cfg, model, sent)
+        # The last step is measured (bytes sent, memory) if it is a steady one -- DDP's first
+        # step uses one bucket, its second broadcasts the rebuilt bucket order -- and not timed.
+        instrumented = step + 1 == cfg.steps and step >= start + 2
         t0, c0 = time.perf_counter(), time.process_time()
-        if comm is None or step + 1 < cfg.steps:
+        if instrumented:
+            held = {}
+
+            def measured_step():
+                if not cfg.measure_memory:
+                    return one_step(x, y)
+                from ..memory.measure import held_bytes
+                from ..memory.record import record_step
+
+                def snapshot():
+                    held["at_rest"] = held_bytes(model, optimizer, buckets)
+
+                held["record"] = record_step(model, optimizer,
+                                             lambda _: held.setdefault("loss", one_step(x, y, snapshot)),
+                                             buckets=buckets, inputs=(x, y))
+                return held["loss"]
+
+            sent = measure_bytes_sent(measured_step)
+            loss, comm = sent.result, _comm_report(cfg, model, sent)
+            if cfg.measure_memory:
+                memory = _memory_report(cfg, held["at_rest"], held["record"])
+        else:
             loss = one_step(x, y)
         global_loss = loss.detach().float().clone()
         dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)  # mean over ranks = global batch mean
-        wall.append(time.perf_counter() - t0)
-        cpu.append(time.process_time() - c0)
+        if not instrumented:
+            wall.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
         losses.append(global_loss.item())
         if cfg.progress and rank == 0:
             end = "\n" if step + 1 == cfg.steps else ""
@@ -116,7 +143,7 @@ def train(cfg: TrainConfig, return_state: bool = False) -> dict:
     if cfg.checkpoint_dir:
         checkpoint.save(cfg.checkpoint_dir, model, optimizer, step=cfg.steps)
     metrics = {"rank": rank, "world_size": world, "applied": applied, "first_step": start,
-               "losses": losses, "step_time_s": wall, "step_cpu_s": cpu, "comm": comm,
+               "losses": losses, "step_time_s": wall, "step_cpu_s": cpu, "comm": comm, "memory": memory,
                "samples_per_s": (cfg.batch_size * world / sorted(wall)[len(wall) // 2]) if wall else 0.0}
     if return_state:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -162,6 +189,35 @@ def _comm_report(cfg: TrainConfig, model, sent) -> dict:
                       if c == "reduce_scatter" else bytes_ for c, bytes_ in theory.items())
     return {"param_bytes": root + sum(units), "theory": theory, "measured": measured,
             "wire": sent.wire, "gloo_wire_theory": wire_theory}
+
+
+def _memory_report(cfg: TrainConfig, at_rest: dict, record: dict) -> dict:
+    """Bytes this rank holds at rest (after the optimizer step, before zero_grad) and at the
+    step's peak, next to the memory ledger.
+
+    Builds the record ``dpcourse.memory.report.compare`` reads, so the runner and the memory
+    lessons compare theory and measurement with the same code. The theory is exact for
+    one unit per block (``auto_wrap="block"``) and fp32; otherwise only measurements.
+    """
+    from ..memory import report
+    from ..memory.layout import unit_shapes
+    plain = models.build_model(cfg.model, seed=cfg.seed, **cfg.model_sizes)
+    if cfg.strategy == "ddp":
+        strategy, options = "ddp", {"gradient_as_bucket_view": cfg.gradient_as_bucket_view}
+    elif cfg.strategy == "fsdp2":
+        strategy, options = "fully_shard", {"reshard_after_forward": cfg.reshard_after_forward}
+    else:
+        strategy = cfg.sharding_strategy
+        options = {"shard_group_size": cfg.hybrid_shard_size} if strategy == "HYBRID_SHARD" else {}
+    result = {"strategy": strategy, "options": options, "rank": dist.get_rank(),
+              "world_size": dist.get_world_size(), "model": cfg.model, "sizes": dict(cfg.model_sizes),
+              "batch_size": cfg.batch_size, "optimizer": "adamw" if cfg.optimizer == "adamw" else "sgd_momentum",
+              "num_params": sum(p.numel() for p in plain.parameters()),
+              "units": unit_shapes(plain, models.wrap_classes(cfg.model)),
+              "at_rest": at_rest, "frames": record["frames"]}
+    exact = (cfg.auto_wrap == "block" or cfg.strategy == "ddp") and cfg.mixed_precision == "fp32"
+    return {"at_rest": result["at_rest"], "peak_bytes": record["peak_bytes"], "tool": record["tool"],
+            "compare": report.compare(result) if exact else None}
 
 
 def train_single_process(cfg: TrainConfig, world_size: int) -> dict:

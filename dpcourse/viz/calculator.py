@@ -1,0 +1,139 @@
+"""The memory calculator widget: model size, ranks, precision, optimizer -> does it fit?
+
+Every redraw computes ``ledger`` for each strategy (microseconds) and draws one small
+matplotlib figure to PNG; it never starts processes. Bytes are shown in the chosen unit
+(GB = 10^9 bytes, as the ZeRO paper counts; GiB = 2^30 bytes).
+"""
+from __future__ import annotations
+
+import io
+
+from ..memory.fit import equal_units, fit_table, transformer_units
+from ..memory.layout import transformer_num_params
+from ..memory.ledger import CATEGORIES, OPTIMIZERS
+from ..memory.sizes import UNITS, in_unit
+from .memory import CATEGORY_COLORS, LABELS
+
+ZERO_PRESET = {"mode": "parameters", "billions": 7.5, "world_size": 64, "precision": "mixed",
+               "optimizer": "adam", "device_gb": 32.0, "activations_gb": 0.0}  # ZeRO paper, Fig. 1
+
+
+def render_fit_png(rows, device_bytes: int, unit: str = "GB") -> bytes:
+    """Horizontal stacked bars (at rest) with the peak marked, and the device's memory."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 0.45 * len(rows) + 1.4))
+    ax = fig.subplots()
+    for i, row in enumerate(rows):
+        left = 0.0
+        for c in CATEGORIES:
+            width = in_unit(row["ledger"].bytes[c], unit) if c in row["ledger"].at_rest() else 0
+            if width:
+                ax.barh(i, width, left=left, color=CATEGORY_COLORS[c], label=LABELS[c] if i == 0 else None)
+                left += width
+        ax.plot([in_unit(row["peak"], unit)] * 2, [i - 0.4, i + 0.4], color="k", lw=1.5)
+    ax.axvline(in_unit(device_bytes, unit), color="red", ls="--", lw=1.2, label="device memory")
+    ax.set_yticks(range(len(rows)), [("" if r["fits"] else "✗ ") + r["strategy"] for r in rows], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel(f"{unit} per rank (bars: at rest; black tick: peak with transients)")
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=80)
+    return buf.getvalue()
+
+
+class MemoryCalculator:
+    """Widgets for the ledger of every strategy; flags the ones that do not fit.
+
+    ``verdict`` holds the last text shown; ``apply(**values)`` sets inputs from code.
+    """
+
+    def __init__(self, **values):
+        import ipywidgets as w
+
+        style = {"description_width": "110px"}
+        self.mode = w.ToggleButtons(options=["parameters", "transformer shape"], value="parameters")
+        self.billions = w.FloatText(value=7.5, description="params (10⁹)", style=style)
+        self.num_units = w.IntText(value=32, description="FSDP units", style=style)
+        self.n_layers = w.IntText(value=32, description="n_layers", style=style)
+        self.d_model = w.IntText(value=4096, description="d_model", style=style)
+        self.vocab_size = w.IntText(value=50257, description="vocab_size", style=style)
+        self.seq_len = w.IntText(value=2048, description="seq_len", style=style)
+        self.world_size = w.IntText(value=8, description="world_size", style=style)
+        self.gpus_per_node = w.IntText(value=8, description="ranks per node", style=style)
+        self.precision = w.Dropdown(options=["mixed", "fp32"], value="mixed", description="precision", style=style)
+        self.optimizer = w.Dropdown(options=list(OPTIMIZERS), value="adam", description="optimizer", style=style)
+        self.device_gb = w.FloatText(value=80.0, description="device (GB)", style=style)
+        self.activations_gb = w.FloatText(value=0.0, description="activations (GB)", style=style)
+        self.unit = w.ToggleButtons(options=["GB", "GiB"], value="GB")
+        self.preset = w.Button(description="ZeRO paper: 7.5B on 64 GPUs")
+        self.text = w.HTML()
+        self.image = w.Image(format="png")
+        self.inputs = [self.mode, self.billions, self.num_units, self.n_layers, self.d_model,
+                       self.vocab_size, self.seq_len, self.world_size, self.gpus_per_node,
+                       self.precision, self.optimizer, self.device_gb, self.activations_gb, self.unit]
+        shape = w.VBox([self.n_layers, self.d_model, self.vocab_size, self.seq_len])
+        self.widget = w.VBox([w.HBox([self.mode, self.preset]),
+                              w.HBox([w.VBox([self.billions, self.num_units, shape]),
+                                      w.VBox([self.world_size, self.gpus_per_node, self.precision,
+                                              self.optimizer, self.device_gb, self.activations_gb,
+                                              self.unit])]),
+                              self.text, self.image])
+        self.verdict, self.rows = "", []
+        self.apply(**values)
+        for widget in self.inputs:
+            widget.observe(lambda _: self.update(), names="value")
+        self.preset.on_click(lambda _: self.apply(**ZERO_PRESET))
+
+    def num_params(self) -> int:
+        """Parameters (elements) from the count or from the transformer shape."""
+        if self.mode.value == "parameters":
+            return max(1, round(self.billions.value * 1e9))
+        return transformer_num_params(self.n_layers.value, self.d_model.value, self.vocab_size.value,
+                                      self.seq_len.value)
+
+    def units(self) -> list[int]:
+        """FSDP units (parameters each): equal units, or one per transformer block plus the root."""
+        if self.mode.value == "parameters":
+            return equal_units(self.num_params(), self.num_units.value)
+        return transformer_units(self.n_layers.value, self.d_model.value, self.vocab_size.value,
+                                 self.seq_len.value)
+
+    def apply(self, **values) -> None:
+        """Set inputs by name (e.g. ``world_size=64``), then redraw once."""
+        self._quiet = True
+        try:
+            for name, value in values.items():
+                getattr(self, name).value = value
+        finally:
+            self._quiet = False
+        self.update()
+
+    def update(self) -> None:
+        """Recompute the ledger of every strategy and redraw."""
+        if getattr(self, "_quiet", False):
+            return
+        try:
+            n, world = self.num_params(), self.world_size.value
+            device = int(self.device_gb.value * 1e9)
+            self.rows = fit_table(n, world, device, self.precision.value, self.optimizer.value,
+                                  shard_group_size=self.gpus_per_node.value, units=self.units(),
+                                  activation_bytes=int(self.activations_gb.value * 1e9))
+        except ValueError as err:
+            self.verdict = f"cannot compute: {err}"
+            self.text.value = f"<b style='color:#b00'>{self.verdict}</b>"
+            return
+        unit = self.unit.value
+        fit = [r["strategy"] for r in self.rows if r["fits"]]
+        misses = [r["strategy"] for r in self.rows if not r["fits"]]
+        self.verdict = (f"{n / 1e9:.3g}e9 parameters on {world} ranks, device {self.device_gb.value:g} GB: "
+                        + (f"fits with {', '.join(fit)}" if fit else "does not fit with any strategy")
+                        + (f"; does not fit: {', '.join(misses)}" if misses else ""))
+        self.text.value = self.verdict.replace("does not fit", "<b style='color:#b00'>does not fit</b>")
+        self.image.value = render_fit_png(self.rows, device, unit if unit in UNITS else "GB")
+
+    def _ipython_display_(self):
+        from IPython.display import display
+
+        display(self.widget)

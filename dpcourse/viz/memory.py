@@ -1,0 +1,195 @@
+"""Drawing the memory ledger: theory beside measurement, a step over time, and a player.
+
+Draws the plain data ``dpcourse.memory.experiment.measure_strategy`` returned from the
+ranks (one result per rank, a list per configuration) and the ledger computed here from
+it; it never starts processes. Heights are bytes per rank, shown in the labelled unit.
+"""
+from __future__ import annotations
+
+import io
+
+from ..memory import report
+from ..memory.ledger import AT_REST, CATEGORIES
+from ..memory.sizes import in_unit
+
+CATEGORY_COLORS = {
+    "parameters": "#1f77b4", "gradients": "#ff7f0e", "optimizer_state": "#2ca02c",
+    "master_weights": "#17becf", "bucket_buffers": "#8c564b", "unsharded_parameters": "#9467bd",
+    "unsharded_gradients": "#e377c2", "activations": "#bcbd22", "temporaries": "#7f7f7f"}
+LABELS = {c: c.replace("_", " ") for c in CATEGORIES}
+
+
+def _rank(config, rank: int) -> dict:
+    """One rank's result from a configuration (a per-rank list, or already one result)."""
+    return config[rank] if isinstance(config, (list, tuple)) else config
+
+
+def phase_kind(phase: str) -> str:
+    """Which of the theory's moments a recorded phase belongs to."""
+    if phase.startswith("forward") or phase == "loss":
+        return "forward"
+    if phase.startswith("backward"):
+        return "backward"
+    return "optimizer step" if phase == "optimizer step" else "at rest"
+
+
+def _stack(ax, x, values: dict, width: float, unit: str, hatch=None, alpha=1.0, label=True):
+    bottom = 0.0
+    for c in CATEGORIES:
+        h = in_unit(values.get(c, 0), unit)
+        if h:
+            ax.bar(x, h, width, bottom=bottom, color=CATEGORY_COLORS[c], hatch=hatch, alpha=alpha,
+                   edgecolor="white" if hatch is None else "0.3", lw=0.5,
+                   label=LABELS[c] if label else None)
+            bottom += h
+    return bottom
+
+
+def plot_bars(configs, rank: int = 0, unit: str = "KiB", ax=None):
+    """Per-rank stacked bars at rest, theory (hatched) beside measured (solid), per strategy.
+
+    Short lines above each pair mark the peak over one step: dashed theory, solid measured.
+    """
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(1.3 * len(configs) + 2.5, 3.8))
+    names = []
+    for i, config in enumerate(configs):
+        result = _rank(config, rank)
+        theory = report.theory_for(result)
+        _stack(ax, i - 0.2, theory.at_rest(), 0.38, unit, hatch="//", alpha=0.55, label=False)
+        _stack(ax, i + 0.2, {c: result["at_rest"].get(c, 0) for c in AT_REST}, 0.38, unit,
+               label=(i == 0))
+        ax.hlines(in_unit(theory.peak, unit), i - 0.39, i - 0.01, colors="k", linestyles="--", lw=1)
+        if result.get("frames"):
+            ax.hlines(in_unit(report.measured_peak(result)[0], unit), i + 0.01, i + 0.39, colors="k", lw=1.2)
+        names.append(report.label(result))
+    ax.set_xticks(range(len(configs)), names, rotation=25, ha="right", fontsize=8)
+    ax.set_ylabel(f"{unit} per rank")
+    world = _rank(configs[0], rank)["world_size"]
+    ax.set_title(f"rank {rank} of {world}: at rest, theory (hatched) | measured (solid); "
+                 "peak: --- theory, — measured", fontsize=9)
+    handles, labels = ax.get_legend_handles_labels()
+    ax.legend(handles, labels, fontsize=7, loc="upper right")
+    ax.figure.tight_layout()
+    return ax.figure
+
+
+def _series(result: dict):
+    """x positions, phase names and category values: each phase's peak, then its end."""
+    xs, names, points = [], [], []
+    for i, frame in enumerate(result["frames"]):
+        for j, key in enumerate(("peak", "end")):
+            xs.append(i + 0.5 * j)
+            points.append(frame[key])
+        names.append(frame["phase"])
+    return xs, names, points
+
+
+def plot_timeline(configs, rank: int = 0, unit: str = "KiB", axes=None):
+    """Memory over one recorded step, stacked by category, one panel per configuration.
+
+    The dashed line is the theory's total for the moment each phase belongs to
+    (at rest, forward, backward, optimizer step).
+    """
+    import matplotlib.pyplot as plt
+
+    if axes is None:
+        _, axes = plt.subplots(len(configs), 1, figsize=(9, 2.6 * len(configs)), sharex=False,
+                               squeeze=False)
+        axes = axes[:, 0]
+    for ax, config in zip(axes, configs):
+        result = _rank(config, rank)
+        theory = report.theory_for(result)
+        xs, names, points = _series(result)
+        ys = [[in_unit(p.get(c, 0), unit) for p in points] for c in CATEGORIES]
+        ax.stackplot(xs, ys, colors=[CATEGORY_COLORS[c] for c in CATEGORIES],
+                     labels=[LABELS[c] for c in CATEGORIES], step="post")
+        expect = [in_unit(sum(theory.phases[phase_kind(f["phase"])].values()), unit)
+                  for f in result["frames"] for _ in (0, 1)]
+        ax.step(xs, expect, where="post", color="k", ls="--", lw=1, label="theory")
+        ax.set_title(f"{report.label(result)}: rank {rank} of {result['world_size']}", fontsize=9)
+        ax.set_ylabel(unit)
+        ax.set_xticks(range(len(names)), names, rotation=60, ha="right", fontsize=6)
+    fig = axes[0].figure
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=7, ncol=5, loc="upper center")
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / fig.get_figheight()))
+    return fig
+
+
+def draw_ledger_frame(axes, configs, k: int, unit: str = "KiB") -> None:
+    """Frame ``k`` of the step: per configuration, one stacked bar per rank, theory as outline."""
+    from matplotlib.patches import Patch, Rectangle
+
+    for ax, config in zip(axes, configs):
+        ranks = config if isinstance(config, (list, tuple)) else [config]
+        top = max(sum(f["peak"].values()) for r in ranks for f in r["frames"])
+        ax.clear()
+        phase = "?"
+        for r, result in enumerate(ranks):
+            frame = result["frames"][min(k, len(result["frames"]) - 1)]
+            phase = frame["phase"]
+            _stack(ax, r, frame["peak"], 0.6, unit, label=False)
+            expected = sum(report.theory_for(result).phases[phase_kind(phase)].values())
+            ax.add_patch(Rectangle((r - 0.36, 0), 0.72, in_unit(expected, unit), fill=False,
+                                   ls="--", lw=1.2, ec="k"))
+        ax.set_ylim(0, in_unit(max(top, expected), unit) * 1.08)
+        ax.set_xlim(-0.6, len(ranks) - 0.4)
+        ax.set_xticks(range(len(ranks)), [f"rank {r}" for r in range(len(ranks))], fontsize=7)
+        ax.set_title(f"{report.label(ranks[0])}\n{phase}", fontsize=8)
+        ax.set_ylabel(f"{unit} per rank", fontsize=7)
+    used = [c for c in CATEGORIES if any(f["peak"].get(c) for config in configs
+                                         for r in (config if isinstance(config, (list, tuple)) else [config])
+                                         for f in r["frames"])]
+    handles = [Patch(color=CATEGORY_COLORS[c], label=LABELS[c]) for c in used]
+    handles.append(Patch(fill=False, ls="--", ec="k", label="theory"))
+    axes[-1].legend(handles=handles, fontsize=6, loc="upper left", bbox_to_anchor=(1.02, 1))
+
+
+def render_ledger_png(configs, k: int, unit: str = "KiB") -> bytes:
+    """Frame ``k`` drawn as PNG bytes (the player shows these)."""
+    from matplotlib.figure import Figure  # no pyplot: drawing a PNG leaves the backend alone
+
+    fig = Figure(figsize=(3.2 * len(configs) + 1.6, 3.6))
+    axes = fig.subplots(1, len(configs), squeeze=False)[0]
+    draw_ledger_frame(axes, configs, k, unit)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90)
+    return buf.getvalue()
+
+
+class LedgerPlayer:
+    """Play/pause and a step slider over one recorded training step, per rank and strategy.
+
+    configs: per-rank result lists from ``measure_strategy`` (e.g. DDP and FULL_SHARD).
+    The dashed outline is the theory's total for the current moment of the step.
+    Display it by leaving it as a cell's last expression.
+    """
+
+    def __init__(self, configs, unit: str = "KiB", interval_ms: int = 600):
+        import ipywidgets as w
+
+        self.configs, self.unit, self._png = list(configs), unit, {}
+        steps = max(len(r["frames"]) for c in self.configs for r in (c if isinstance(c, list) else [c]))
+        self.play = w.Play(min=0, max=steps - 1, step=1, interval=interval_ms, description="play")
+        self.slider = w.IntSlider(min=0, max=steps - 1, description="step")
+        w.jslink((self.play, "value"), (self.slider, "value"))
+        self.image = w.Image(format="png")
+        self.widget = w.VBox([w.HBox([self.play, self.slider]), self.image])
+        self.slider.observe(lambda _: self.show(), names="value")
+        self.show()
+
+    def show(self) -> None:
+        """Draw the frame the slider points at (cached once drawn)."""
+        k = self.slider.value
+        if k not in self._png:
+            self._png[k] = render_ledger_png(self.configs, k, self.unit)
+        self.image.value = self._png[k]
+
+    def _ipython_display_(self):
+        from IPython.display import display
+
+        display(self.widget)

@@ -1,0 +1,74 @@
+"""Drawing the memory ledger from real measurements: bars, timeline, player, calculator."""
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import pytest  # noqa: E402
+
+from dpcourse.memory import experiment, report  # noqa: E402
+from dpcourse.viz import calculator, memory  # noqa: E402
+
+pytestmark = pytest.mark.timeout(180)
+PNG = b"\x89PNG"
+
+
+@pytest.fixture(scope="module")
+def measured(cluster2):
+    return experiment.measure_all(cluster2, [("ddp", {}), ("FULL_SHARD", {})], model="mlp", batch_size=4)
+
+
+def test_bars_stack_theory_beside_measurement(measured):
+    fig = memory.plot_bars(measured, unit="KiB")
+    ax = fig.axes[0]
+    bars = [p for p in ax.patches if p.get_height() > 0]
+    ddp_cats, fsdp_cats = 4, 3  # ddp: params, grads, optimizer, buckets; FSDP: no buckets
+    assert len(bars) == 2 * ddp_cats + 2 * fsdp_cats
+    tops = {}
+    for bar in bars:  # stacks end at the at-rest totals, in KiB
+        x = round(bar.get_x() + bar.get_width() / 2, 2)
+        tops[x] = max(tops.get(x, 0), bar.get_y() + bar.get_height())
+    expected = [report.compare(c[0])["total"] for c in measured]
+    assert sorted(tops) == [-0.2, 0.2, 0.8, 1.2]
+    assert [tops[x] for x in sorted(tops)] == pytest.approx(
+        [expected[0][0] / 1024, expected[0][1] / 1024, expected[1][0] / 1024, expected[1][1] / 1024])
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["ddp", "FULL_SHARD"]
+
+
+def test_timeline_has_one_panel_per_strategy_with_the_theory_outline(measured):
+    fig = memory.plot_timeline(measured)
+    assert len(fig.axes) == 2
+    for ax, config in zip(fig.axes, measured):
+        theory_line = [line for line in ax.get_lines() if line.get_linestyle() == "--"][0]
+        assert max(theory_line.get_ydata()) == pytest.approx(report.theory_for(config[0]).peak / 1024)
+        assert len(ax.get_xticklabels()) == len(config[0]["frames"])
+
+
+def test_player_walks_the_recorded_step(measured):
+    player = memory.LedgerPlayer(measured)
+    frames = len(measured[0][0]["frames"])
+    assert player.slider.max == player.play.max == frames - 1
+    first = bytes(player.image.value)
+    assert first.startswith(PNG)
+    player.slider.value = frames // 2
+    assert bytes(player.image.value).startswith(PNG) and bytes(player.image.value) != first
+    assert set(player._png) == {0, frames // 2}
+    assert memory.phase_kind("forward blocks.2") == "forward" and memory.phase_kind("zero_grad") == "at rest"
+
+
+def test_calculator_flags_what_does_not_fit():
+    calc = calculator.MemoryCalculator(**calculator.ZERO_PRESET)
+    rows = {r["strategy"]: r for r in calc.rows}
+    # 120 GB of model states + 15 GB of buckets (+ 4-byte step counters of the 32 units)
+    assert rows["ddp"]["ledger"].total == 135 * 10**9 + 4 * 32
+    assert rows["zero3"]["at_rest"] == 1_875_000_000
+    assert "does not fit: ddp" in calc.verdict and "fits with" in calc.verdict
+    assert bytes(calc.image.value).startswith(PNG)
+    calc.apply(world_size=1)
+    assert "does not fit with any strategy" in calc.verdict
+    calc.apply(mode="transformer shape", n_layers=2, d_model=32, vocab_size=64, seq_len=16, world_size=2,
+               device_gb=80)
+    assert calc.num_params() == 30144 and "does not fit" not in calc.verdict
+    calc.apply(world_size=0)
+    assert calc.verdict.startswith("cannot compute: world_size must be a whole number >= 1")
