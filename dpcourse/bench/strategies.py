@@ -1,0 +1,77 @@
+"""DDP vs each FSDP strategy (and FSDP2) on the same model: speed, memory and bytes per step.
+
+    python -m dpcourse.bench strategies [--world-sizes 2 4] [--rounds 3] [--steps 6]
+
+For each world size, every strategy trains the same MLP on the same data; rounds are
+interleaved (strategy A, B, C, then A, B, C again) so machine load hits all alike. The
+steady figure is CPU time per step (median over steps >= 2 and rounds): on an
+oversubscribed CPU, wall time mostly measures waiting. Peak memory per rank comes from the
+memory ledger's measurement of one step; bytes per step are the logical bytes of the c10d
+ops PyTorch called and Gloo's wire bytes, next to the ring theory.
+"""
+from __future__ import annotations
+
+import statistics
+
+from ..pool import Cluster
+from ..train import TrainConfig, train
+
+HELP = "DDP vs FSDP strategies and FSDP2: CPU time per step, peak memory, bytes per step"
+
+STRATEGIES = {
+    "DDP": dict(strategy="ddp"),
+    "FSDP1 NO_SHARD": dict(strategy="fsdp", sharding_strategy="NO_SHARD"),
+    "FSDP1 SHARD_GRAD_OP": dict(strategy="fsdp", sharding_strategy="SHARD_GRAD_OP"),
+    "FSDP1 FULL_SHARD": dict(strategy="fsdp", sharding_strategy="FULL_SHARD"),
+    "FSDP1 HYBRID_SHARD": dict(strategy="fsdp", sharding_strategy="HYBRID_SHARD", hybrid_shard_size=2),
+    "FSDP2 reshard": dict(strategy="fsdp2", reshard_after_forward=True),
+    "FSDP2 no reshard": dict(strategy="fsdp2", reshard_after_forward=False),
+}
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=6, help="steps per run (the first 2 are warm-up)")
+    parser.add_argument("--d-hidden", type=int, default=256, help="MLP width")
+
+
+def _kb(x) -> str:
+    return "-" if x is None else f"{x / 1e3:.1f}"
+
+
+def main(args) -> int:
+    sizes = {"d_hidden": args.d_hidden, "depth": 4}
+    print(__doc__.split("\n\n")[0].strip())
+    for world in args.world_sizes:
+        names = [n for n, o in STRATEGIES.items() if world >= 4 or o["strategy"] != "fsdp"
+                 or o.get("sharding_strategy") != "HYBRID_SHARD"]
+        cpu, wall, comm, peak = {n: [] for n in names}, {n: [] for n in names}, {}, {}
+        with Cluster(world_size=world) as cluster:
+            for _ in range(args.rounds):
+                for name in names:
+                    cfg = TrainConfig(steps=args.steps, batch_size=16, progress=False, model_sizes=sizes,
+                                      measure_memory=True, **STRATEGIES[name])
+                    metrics = cluster.run(train, cfg, timeout=600)
+                    cpu[name] += [max(m["step_cpu_s"][i] for m in metrics) for i in range(2, args.steps - 1)]
+                    wall[name] += [max(m["step_time_s"][i] for m in metrics) for i in range(2, args.steps - 1)]
+                    comm[name] = metrics[0]["comm"]
+                    peak[name] = max((m.get("memory") or {}).get("peak_bytes", 0) for m in metrics) or None
+        psi = comm[names[0]]["param_bytes"]
+        base = statistics.median(cpu["DDP"])
+        print(f"\nworld_size={world}, MLP with {psi / 4:,.0f} parameters (Ψ = {psi / 1e3:.0f} kB fp32), "
+              f"{args.rounds} interleaved rounds")
+        header = ("strategy", "CPU ms/step", "vs DDP", "wall ms/step", "peak kB/rank",
+                  "logical kB sent", "theory kB", "Gloo wire kB", "wire theory kB")
+        rows = []
+        for name in names:
+            c = comm[name]
+            med = statistics.median(cpu[name])
+            rows.append((name, f"{med * 1e3:.2f}", f"x{med / base:.2f}",
+                         f"{statistics.median(wall[name]) * 1e3:.2f}", _kb(peak[name]),
+                         _kb(sum(c["measured"].values())), _kb(sum(c["theory"].values())),
+                         _kb(c["wire"]), _kb(c["gloo_wire_theory"])))
+        widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
+        for row in [header] + rows:
+            print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    return 0
