@@ -83,8 +83,22 @@ class TinyTransformer(nn.Module):
         return self.head(self.ln_f(x))
 
 
-MODELS = {"mlp": MLP, "transformer": TinyTransformer}
-BLOCKS = {"mlp": MLPBlock, "transformer": TransformerBlock}
+class TiedTransformer(TinyTransformer):
+    """TinyTransformer whose head shares the token embedding's weight (one Parameter used
+    twice, GPT-2 style) and whose position table is frozen: the two cases a data-parallel
+    wrapper must handle (one gradient from two uses; a parameter with no gradient)."""
+
+    def __init__(self, **sizes):
+        super().__init__(**sizes)
+        self.head.weight = self.tok.weight  # both (vocab_size, d_model)
+        with torch.no_grad():  # GPT-2's small init: N(0, 1) embeddings would make huge logits
+            self.tok.weight.normal_(0.0, 0.02)
+        self.pos.weight.requires_grad_(False)
+
+
+MODELS = {"mlp": MLP, "transformer": TinyTransformer, "tied_transformer": TiedTransformer}
+BLOCKS = {"mlp": MLPBlock, "transformer": TransformerBlock, "tied_transformer": TransformerBlock}
+_SAME_DATA = {"tied_transformer": "transformer"}  # models trained on another model's data
 
 
 def build_model(name: str, seed: int = 0, **sizes) -> nn.Module:
@@ -103,6 +117,7 @@ def wrap_classes(name: str) -> set[type[nn.Module]]:
 
 def make_dataset(name: str, num_samples: int, seed: int = 1, **sizes) -> torch.utils.data.TensorDataset:
     """Synthetic, learnable data for ``name``: (inputs, targets), identical for a given seed."""
+    name = _SAME_DATA.get(name, name)
     g = torch.Generator().manual_seed(seed)
     if name == "mlp":
         d_in, d_out = sizes.get("d_in", 32), sizes.get("d_out", 8)
@@ -120,6 +135,7 @@ def make_dataset(name: str, num_samples: int, seed: int = 1, **sizes) -> torch.u
 
 def loss_fn(name: str, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Mean loss over the batch (mean reduction, so averaging over ranks is exact)."""
+    name = _SAME_DATA.get(name, name)
     if name == "transformer":
         return F.cross_entropy(output.flatten(0, 1), target.flatten())
     return F.mse_loss(output, target)

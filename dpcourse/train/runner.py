@@ -220,11 +220,13 @@ def _memory_report(cfg: TrainConfig, at_rest: dict, record: dict) -> dict:
             "compare": report.compare(result) if exact else None}
 
 
-def train_single_process(cfg: TrainConfig, world_size: int) -> dict:
+def train_single_process(cfg: TrainConfig, world_size: int, accumulation: int = 1) -> dict:
     """The reference: one process, no process group, on the same global batches.
 
     Step s's global batch is the concatenation of what each rank's ``DistributedSampler``
-    gives it at step s, so a correct data-parallel run must reproduce these losses.
+    gives it over the step's ``accumulation`` micro-batches, so a correct data-parallel run
+    must reproduce these losses. Returns ``losses`` (per step), the final ``state`` dict and
+    ``params`` ({name: tensor}).
     """
     model = models.build_model(cfg.model, seed=cfg.seed, **cfg.model_sizes)
     optimizer = make_optimizer(cfg, model.parameters())
@@ -234,17 +236,18 @@ def train_single_process(cfg: TrainConfig, world_size: int) -> dict:
         sampler = DistributedSampler(dataset, num_replicas=world_size, rank=r, shuffle=True,
                                      seed=cfg.seed, drop_last=True)
         loader = DataLoader(dataset, batch_size=cfg.batch_size, sampler=sampler, drop_last=True)
-        streams.append(batches(loader, sampler, 0, cfg.steps))
+        streams.append(batches(loader, sampler, 0, cfg.steps * accumulation))
     losses = []
-    for per_rank in zip(*streams):
-        x = torch.cat([b[1][0] for b in per_rank])
-        y = torch.cat([b[1][1] for b in per_rank])
+    for _ in range(cfg.steps):
+        micro = [next(stream)[1] for _ in range(accumulation) for stream in streams]
+        x, y = torch.cat([b[0] for b in micro]), torch.cat([b[1] for b in micro])
         loss = models.loss_fn(cfg.model, model(x), y)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
-    return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
 def main(argv=None) -> int:

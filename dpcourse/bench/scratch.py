@@ -1,0 +1,116 @@
+"""The from-scratch wrappers next to their PyTorch counterparts, measured side by side.
+
+    python -m dpcourse.bench scratch [--world-sizes 2 4] [--rounds 3] [--steps 8]
+
+For each world size every wrapper trains the same model on the same data (``dpc.scratch.
+train_steps``); rounds are interleaved (all wrappers, then all again) so load on the
+machine hits all alike. Per step the slowest rank counts; figures are medians over the
+steps after the first two (warm-up; torch DDP rebuilds its buckets after step 1) and
+over rounds: wall and CPU seconds per step, and throughput ratios scratch / PyTorch
+(> 1: ours is faster). Both DDPs use torch DDP's default buckets (25 MiB, the first one
+1 MiB); MiniFSDP shards its root as FSDP1 does. "hidden" is the share of communication
+time during which the rank kept computing (``timeline.hidden_fraction``), from one extra
+recorded run per wrapper. ThreadedDataParallel runs in this process: its replicas in
+threads vs one after another.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+
+import torch
+
+from ..models import build_model
+from ..pool import Cluster
+from ..scratch import train_steps
+from ..scratch.threaded_dp import measure_speedup
+from ..scratch.timeline import Event, hidden_fraction
+from ..train import TrainConfig
+
+HELP = "from-scratch DDP / ZeRO-1 / FSDP vs PyTorch's: time per step, hidden communication"
+
+VARIANTS = {  # name -> (kind, options of train_steps)
+    "NaiveDDP": ("naive", {}),
+    "OverlapDDP": ("overlap", {}),
+    "BucketedDDP": ("bucketed", {"first_bucket_cap_mb": 1}),  # torch DDP's default buckets
+    "torch DDP": ("torch_ddp", {}),
+    "BucketedDDP + ShardedOptimizer": ("bucketed", {"first_bucket_cap_mb": 1, "sharded_optimizer": True}),
+    "torch DDP + ZeroRedundancyOptimizer": ("torch_ddp", {"sharded_optimizer": "torch"}),
+    "MiniFSDP": ("fsdp", {"shard_root": True}),
+    "torch FSDP1 FULL_SHARD": ("torch_fsdp", {}),
+}
+PAIRS = [  # (ours, PyTorch's, target throughput ratio or None)
+    ("NaiveDDP", "torch DDP", None),
+    ("OverlapDDP", "torch DDP", None),
+    ("BucketedDDP", "torch DDP", 0.9),
+    ("BucketedDDP + ShardedOptimizer", "torch DDP + ZeroRedundancyOptimizer", None),
+    ("MiniFSDP", "torch FSDP1 FULL_SHARD", 0.8),
+]
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=8, help="steps per run (the first 2 are warm-up)")
+    parser.add_argument("--d-model", type=int, default=128, help="transformer width")
+    parser.add_argument("--n-layers", type=int, default=4)
+
+
+def _table(rows) -> None:
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip())
+
+
+def _threaded_dp() -> list:
+    """ThreadedDataParallel on 2 "devices": threads vs sequential, Python- vs compute-bound."""
+    rows = []
+    mse = torch.nn.functional.mse_loss
+    for label, sizes, batch in (("many small layers", dict(d_hidden=16, depth=16), 64),
+                                ("few wide layers", dict(d_hidden=512, depth=4), 256)):
+        x, y = torch.randn(batch, 32), torch.randn(batch, 8)
+        r = measure_speedup(lambda sizes=sizes: build_model("mlp", **sizes), x, y, mse, num_devices=2, rounds=3)
+        rows.append((f"ThreadedDataParallel, {label}", f"{r['threads'] * 1e3:.2f}",
+                     f"sequential {r['sequential'] * 1e3:.2f} ms", f"speed-up x{r['speedup']:.2f} (ideal x2)"))
+    return rows
+
+
+def main(args) -> int:
+    sizes = {"d_model": args.d_model, "n_layers": args.n_layers, "seq_len": 32, "vocab_size": 256}
+    cfg = TrainConfig(model="transformer", model_sizes=sizes, optimizer="adamw", steps=args.steps,
+                      batch_size=16, num_samples=4096, progress=False)
+    warmup = 2
+    print(f"scratch benchmark: transformer {sizes}, batch {cfg.batch_size} per rank, AdamW; gloo, "
+          f"{os.cpu_count()} CPU cores, torch {torch.__version__}")
+    print()
+    _table([("figure", "ms/step", "compared with", "")] + _threaded_dp())
+    for world in args.world_sizes:
+        wall = {n: [] for n in VARIANTS}
+        cpu = {n: [] for n in VARIANTS}
+        hidden = {}
+        with Cluster(world_size=world) as cluster:
+            for _ in range(args.rounds):
+                for name, (kind, options) in VARIANTS.items():
+                    ranks = cluster.run(train_steps, cfg, kind, timeout=600, **options)
+                    for s in range(warmup, cfg.steps):
+                        wall[name].append(max(r["step_time_s"][s] for r in ranks))
+                        cpu[name].append(max(r["step_cpu_s"][s] for r in ranks))
+            for name, (kind, options) in VARIANTS.items():
+                ranks = cluster.run(train_steps, cfg, kind, record=True, record_steps=cfg.steps - warmup,
+                                    timeout=600, **options)
+                events = [Event(**e) for r in ranks for e in r["timeline"]]
+                hidden[name] = statistics.fmean(hidden_fraction(events, r) for r in range(world))
+        med = {n: (statistics.median(wall[n]), statistics.median(cpu[n])) for n in VARIANTS}
+        print(f"\nworld_size {world}: medians over {args.rounds} rounds x {cfg.steps - warmup} steps, "
+              "slowest rank per step")
+        _table([("wrapper", "wall ms/step", "CPU ms/step", "hidden comm")] +
+               [(n, f"{w * 1e3:.1f}", f"{c * 1e3:.1f}", f"{hidden[n]:.0%}") for n, (w, c) in med.items()])
+        print()
+        rows = [("ours", "PyTorch's", "throughput ratio (wall)", "(CPU)", "target", "")]
+        for ours, theirs, target in PAIRS:
+            ratio_wall, ratio_cpu = med[theirs][0] / med[ours][0], med[theirs][1] / med[ours][1]
+            verdict = "" if target is None else ("ok" if ratio_wall >= target else "MISSED")
+            rows.append((ours, theirs, f"x{ratio_wall:.2f}", f"x{ratio_cpu:.2f}",
+                         "" if target is None else f">= x{target}", verdict))
+        _table(rows)
+    return 0

@@ -1,0 +1,28 @@
+"""Data parallelism from scratch: small, readable versions of DP, DDP, ZeRO-1 and FSDP.
+
+    ThreadedDataParallel(module, num_devices)   # nn.DataParallel, emulated on CPU threads
+    NaiveDDP / OverlapDDP / BucketedDDP(module) # all-reduce after, per parameter, per bucket
+    ShardedOptimizer(params, torch.optim.AdamW, lr=...)   # ZeRO-1
+    MiniFSDP(module, wrap={Block}, compute_dtype=None)    # FULL_SHARD
+    Timeline(rank)                              # per-rank events they record when given one
+
+Each runs on real ranks and is checked against PyTorch's own and against single-process
+training (``train_steps`` / ``reference_steps``). Modules: threaded_dp, ddp, bucketed,
+zero, flat, fsdp, timeline, observe (timelines of torch DDP/FSDP), experiment, sweep,
+compare (MiniFSDP next to FSDP1 and the memory ledger).
+"""
+from . import compare, sweep, timeline
+from .bucketed import Bucket, BucketManager, assign_buckets
+from .ddp import BucketedDDP, NaiveDDP, OverlapDDP, broadcast_parameters_and_buffers
+from .experiment import KINDS, reference_steps, train_steps, wrap_model
+from .fsdp import MiniFSDP
+from .observe import BackwardObserver, FSDP1Observer, observe_ddp_communication
+from .threaded_dp import ThreadedDataParallel, measure_speedup
+from .timeline import Event, Timeline, hidden_fraction
+from .zero import ShardedOptimizer
+
+__all__ = ["Bucket", "BucketManager", "BucketedDDP", "BackwardObserver", "Event", "FSDP1Observer",
+           "KINDS", "MiniFSDP", "NaiveDDP", "OverlapDDP", "ShardedOptimizer", "ThreadedDataParallel",
+           "Timeline", "assign_buckets", "broadcast_parameters_and_buffers", "hidden_fraction",
+           "compare", "measure_speedup", "observe_ddp_communication", "reference_steps", "sweep", "timeline",
+           "train_steps", "wrap_model"]

@@ -1,0 +1,149 @@
+"""Gradient buckets: the state of one bucket (``Bucket``) and the packing policy (``BucketManager``).
+
+DDP does not all-reduce gradients one by one: it copies them into a few flat buffers
+("buckets") and all-reduces a bucket as soon as every gradient in it is ready (Li et al.,
+"PyTorch Distributed: Experiences on Accelerating Data Parallel Training", VLDB 2020,
+sec. 3.2.3). Parameters are packed in *reverse* order of registration, which is roughly the
+order backward produces their gradients, so the first bucket fills first. A bucket is
+closed once it holds at least ``bucket_cap_mb`` MiB -- the rule of PyTorch's own
+``dist._compute_bucket_assignment_by_size`` -- so a cap smaller than one parameter gives
+one bucket per parameter, and a bucket can end anywhere. torch DDP's default (no
+``bucket_cap_mb`` given) closes the first bucket at 1 MiB already
+(``dist._DEFAULT_FIRST_BUCKET_BYTES``), so that communication starts early:
+``first_bucket_cap_mb=1`` does the same.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+MIB = 1024 * 1024  # bucket_cap_mb counts MiB, as in torch DDP
+
+
+def assign_buckets(numels, itemsizes, bucket_cap_mb: float,
+                   first_bucket_cap_mb: float | None = None) -> list[list[int]]:
+    """Indices (into the given order) of the parameters in each bucket, bucket 0 first.
+
+    numels: elements per parameter, in packing order; itemsizes: bytes per element.
+    A bucket closes when it reaches its cap in MiB (bytes >= cap): ``first_bucket_cap_mb``
+    for bucket 0 (None: the same as the others), ``bucket_cap_mb`` for every later one.
+    """
+    for name, value in (("bucket_cap_mb", bucket_cap_mb), ("first_bucket_cap_mb", first_bucket_cap_mb)):
+        if value is not None and not value > 0:
+            raise ValueError(f"{name} must be > 0 (MiB per bucket), not {value!r}")
+    caps = [(first_bucket_cap_mb or bucket_cap_mb) * MIB, bucket_cap_mb * MIB]
+    buckets, current, size = [], [], 0
+    for i, (n, b) in enumerate(zip(numels, itemsizes)):
+        current.append(i)
+        size += n * b
+        if size >= caps[min(len(buckets), 1)]:
+            buckets.append(current)
+            current, size = [], 0
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+class Bucket:
+    """One flat gradient buffer, the parameters whose gradients live in it, and its all-reduce."""
+
+    def __init__(self, index: int, params: list[torch.Tensor], names: list[str]):
+        self.index, self.params, self.names = index, params, names
+        self.offsets, offset = [], 0
+        for p in params:
+            self.offsets.append(offset)
+            offset += p.numel()
+        self.buffer = torch.zeros(offset, dtype=params[0].dtype, device=params[0].device)
+        self.ready: set[int] = set()  # positions in self.params whose gradient has arrived
+        self.work = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the flat buffer (what one all-reduce carries)."""
+        return self.buffer.numel() * self.buffer.element_size()
+
+    def view(self, i: int) -> torch.Tensor:
+        """Parameter i's slot in the buffer, shaped like the parameter."""
+        p = self.params[i]
+        return self.buffer[self.offsets[i]:self.offsets[i] + p.numel()].view_as(p)
+
+    def add_grad(self, i: int) -> bool:
+        """Copy parameter i's gradient into its slot; True once every slot is filled."""
+        slot, grad = self.view(i), self.params[i].grad
+        if grad.data_ptr() != slot.data_ptr():  # after the first step grads *are* the slots
+            slot.copy_(grad)
+        self.ready.add(i)
+        return len(self.ready) == len(self.params)
+
+    def launch(self, group, world_size: int, timeline=None) -> None:
+        """Start the asynchronous all-reduce (average over ranks) of the whole bucket."""
+        self.buffer.div_(world_size)  # divide first, then sum: what DDP's default hook does
+        start = time.perf_counter()
+        self.work = dist.all_reduce(self.buffer, group=group, async_op=True)
+        if timeline is not None:
+            timeline.comm(self.work, "all_reduce", f"bucket {self.index}", self.nbytes, start)
+
+    def finish(self) -> None:
+        """Wait for the all-reduce and make each gradient a view of its averaged slot."""
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        for i, p in enumerate(self.params):
+            p.grad = self.view(i)
+        self.ready.clear()
+
+
+class BucketManager:
+    """Packs parameters into buckets and launches each bucket's all-reduce in bucket order.
+
+    Buckets are launched strictly in index order (bucket 3 waits for bucket 2 even if it
+    filled first), so every rank issues the same collectives in the same order -- Gloo and
+    NCCL pair collectives by order, not by name.
+    """
+
+    def __init__(self, named_params, bucket_cap_mb: float = 25, group=None, timeline=None,
+                 first_bucket_cap_mb: float | None = None):
+        named = [(n, p) for n, p in named_params if p.requires_grad][::-1]  # reverse order
+        if not named:
+            raise ValueError("no parameter requires a gradient: nothing to synchronise")
+        self.group, self.timeline = group, timeline
+        self.world_size = dist.get_world_size(group)
+        plan = assign_buckets([p.numel() for _, p in named], [p.element_size() for _, p in named],
+                              bucket_cap_mb, first_bucket_cap_mb)
+        self.buckets = [Bucket(b, [named[i][1] for i in idx], [named[i][0] for i in idx])
+                        for b, idx in enumerate(plan)]
+        self.where = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
+        self.next_to_launch = 0
+
+    def mark_ready(self, param: torch.Tensor) -> None:
+        """Called when ``param``'s gradient is accumulated; launches every bucket now due."""
+        bucket, i = self.where[param]
+        bucket.add_grad(i)
+        while (self.next_to_launch < len(self.buckets)
+               and len(self.buckets[self.next_to_launch].ready) == len(self.buckets[self.next_to_launch].params)):
+            self.buckets[self.next_to_launch].launch(self.group, self.world_size, self.timeline)
+            self.next_to_launch += 1
+
+    def finish(self) -> None:
+        """Wait for every bucket; raise a clear error if some gradient never arrived."""
+        missing = [name for b in self.buckets for i, name in enumerate(b.names) if i not in b.ready]
+        if missing and self.next_to_launch > 0:
+            for b in self.buckets[:self.next_to_launch]:
+                b.finish()  # leave no collective in flight before raising
+        self.next_to_launch = 0
+        if missing:
+            for b in self.buckets:
+                b.ready.clear()
+            raise RuntimeError(
+                f"no gradient arrived for {len(missing)} parameter(s) this backward, e.g. "
+                f"{missing[:3]}: they were not used to compute the loss. Freeze them "
+                "(requires_grad_(False)) or use them; as in torch DDP, buckets wait for "
+                "every trainable parameter")
+        for b in self.buckets:
+            b.finish()
+
+    def describe(self) -> list[dict]:
+        """One dict per bucket: index, parameter names, bytes (plain data)."""
+        return [{"index": b.index, "params": list(b.names), "nbytes": b.nbytes} for b in self.buckets]

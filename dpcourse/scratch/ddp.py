@@ -1,0 +1,200 @@
+"""Data-parallel wrappers from scratch, each a step closer to torch DDP.
+
+    model = BucketedDDP(model, bucket_cap_mb=25)      # or NaiveDDP(model), OverlapDDP(model)
+    loss_fn(model(x), y).backward()                    # gradients are averaged over ranks here
+    optimizer.step()
+
+* ``NaiveDDP``: after backward, all-reduce every gradient, one after another.
+* ``OverlapDDP``: one asynchronous all-reduce per parameter, launched from a hook the moment
+  that parameter's gradient is accumulated, so communication overlaps the rest of backward.
+* ``BucketedDDP``: gradients copied into flat buckets (``bucketed.BucketManager``); one
+  asynchronous all-reduce per bucket -- fewer, larger messages, still overlapped.
+
+All three have torch DDP's surface, so training code runs unchanged on any of them:
+``.module``, ``no_sync()`` (accumulate locally; the next backward outside it synchronises
+the sum), ``require_backward_grad_sync``, ``finish_gradient_synchronization()``. At
+construction they broadcast rank 0's parameters and buffers, so ranks initialised with
+different seeds start equal. Frozen parameters (``requires_grad=False``) are skipped; a
+tied parameter is one tensor, accumulated once per backward, so it is reduced once.
+
+The hooks are ``Tensor.register_post_accumulate_grad_hook``: the hook is called with the
+*parameter* (its ``.grad`` now complete), not with the gradient. Each wrapper also queues a
+callback on the autograd engine that runs when backward ends and waits for outstanding
+communication, so ``loss.backward()`` returns with averaged gradients, as with torch DDP.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+import weakref
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .bucketed import BucketManager
+from .timeline import COMM, COMPUTE, WAIT
+
+
+def broadcast_parameters_and_buffers(module: nn.Module, src: int = 0, group=None) -> None:
+    """Copy rank ``src``'s parameters and buffers into every rank's module, in place."""
+    with torch.no_grad():
+        for t in list(module.parameters()) + list(module.buffers()):
+            dist.broadcast(t.data, src=src, group=group)
+
+
+class _DataParallel(nn.Module):
+    """What the three wrappers share: the DDP surface, construction, the end-of-backward callback."""
+
+    def __init__(self, module: nn.Module, group=None, broadcast_buffers: bool = True, timeline=None):
+        super().__init__()
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(f"{type(self).__name__} needs a process group: run it on the ranks "
+                               "of a dpc.Cluster (cluster.run(fn)) or after dist.init_process_group")
+        self.module = module
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.broadcast_buffers = broadcast_buffers
+        self.require_backward_grad_sync = True
+        self._timeline = timeline
+        self._callback_queued = False
+        broadcast_parameters_and_buffers(module, group=group)
+        self._trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        # The hooks hold the wrapper weakly: a wrapper dropped in a notebook stops reducing.
+        ref = weakref.ref(self)
+
+        def hook(param, ref=ref):
+            wrapper = ref()
+            if wrapper is not None:
+                wrapper._on_grad_ready(param)
+
+        self._hooks = [p.register_post_accumulate_grad_hook(hook) for _, p in self._trainable]
+
+    @property
+    def timeline(self):
+        """The ``Timeline`` this wrapper records into (None: record nothing)."""
+        return self._timeline
+
+    @timeline.setter
+    def timeline(self, value) -> None:
+        self._timeline = value
+        if hasattr(self, "buckets"):
+            self.buckets.timeline = value
+
+    def remove_hooks(self) -> None:
+        """Detach this wrapper from the module's parameters (before wrapping it again)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def forward(self, *args, **kwargs):
+        if self.broadcast_buffers and self.world_size > 1:
+            # like DDP: rank 0's buffers (e.g. BatchNorm running stats) win at every forward
+            with torch.no_grad():
+                for b in self.module.buffers():
+                    dist.broadcast(b, src=0, group=self.group)
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Inside, backward only accumulates gradients locally (gradient accumulation)."""
+        previous, self.require_backward_grad_sync = self.require_backward_grad_sync, False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        # post-accumulate-grad hooks receive the parameter; param.grad is complete now
+        if not self.require_backward_grad_sync:
+            return
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        self._grad_ready(param)
+
+    def _end_of_backward(self) -> None:
+        self._callback_queued = False
+        start = time.perf_counter()
+        self.finish_gradient_synchronization()
+        if self.timeline is not None:
+            self.timeline.add(COMPUTE, WAIT, "gradient sync", start)
+
+    def _grad_ready(self, param: torch.Tensor) -> None:
+        """What to do when one gradient is ready (subclasses)."""
+
+    def finish_gradient_synchronization(self) -> None:
+        """Wait for all outstanding gradient communication; harmless if there is none."""
+
+
+class NaiveDDP(_DataParallel):
+    """All-reduce every gradient after backward, one blocking call per parameter."""
+
+    def __init__(self, module: nn.Module, group=None, broadcast_buffers: bool = True, timeline=None):
+        super().__init__(module, group, broadcast_buffers, timeline)
+        self._pending = False
+
+    def _grad_ready(self, param):
+        self._pending = True  # nothing to do yet: wait for the end of backward
+
+    def finish_gradient_synchronization(self) -> None:
+        if not self._pending:
+            return
+        self._pending = False
+        for name, p in self._trainable:
+            if p.grad is None:
+                raise RuntimeError(f"parameter {name!r} got no gradient: it was not used to compute "
+                                   "the loss; freeze it (requires_grad_(False)) or use it")
+            start = time.perf_counter()
+            dist.all_reduce(p.grad, group=self.group)
+            p.grad.div_(self.world_size)
+            if self.timeline is not None:
+                self.timeline.add(COMM, "all_reduce", name, start, nbytes=p.grad.numel() * p.grad.element_size())
+
+
+class OverlapDDP(_DataParallel):
+    """One async all-reduce per parameter, launched as soon as its gradient is accumulated.
+
+    Every rank runs the same autograd graph, and the engine visits it in the same order on
+    each, so the ranks launch their all-reduces in the same order.
+    """
+
+    def __init__(self, module: nn.Module, group=None, broadcast_buffers: bool = True, timeline=None):
+        super().__init__(module, group, broadcast_buffers, timeline)
+        self._names = {p: n for n, p in self._trainable}
+        self._works: list = []
+
+    def _grad_ready(self, param):
+        grad = param.grad  # the hook's argument is the parameter; its .grad is what we reduce
+        grad.div_(self.world_size)
+        start = time.perf_counter()
+        work = dist.all_reduce(grad, group=self.group, async_op=True)
+        if self.timeline is not None:
+            self.timeline.comm(work, "all_reduce", self._names[param], grad.numel() * grad.element_size(), start)
+        self._works.append(work)
+
+    def finish_gradient_synchronization(self) -> None:
+        works, self._works = self._works, []
+        for work in works:
+            work.wait()
+
+
+class BucketedDDP(_DataParallel):
+    """Gradients packed into buckets of ``bucket_cap_mb`` MiB in reverse registration order
+    (the first one ``first_bucket_cap_mb``, if given); each bucket all-reduced asynchronously
+    when full; all waited for at the end of backward.
+    After a step, each ``param.grad`` is a view of its bucket (torch DDP's
+    ``gradient_as_bucket_view=True``), so gradients take no memory beyond the buckets."""
+
+    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25, group=None,
+                 broadcast_buffers: bool = True, timeline=None, first_bucket_cap_mb: float | None = None):
+        super().__init__(module, group, broadcast_buffers, timeline)
+        self.bucket_cap_mb, self.first_bucket_cap_mb = bucket_cap_mb, first_bucket_cap_mb
+        self.buckets = BucketManager(self._trainable, bucket_cap_mb, group, timeline, first_bucket_cap_mb)
+
+    def _grad_ready(self, param):
+        self.buckets.mark_ready(param)
+
+    def finish_gradient_synchronization(self) -> None:
+        if any(b.ready or b.work is not None for b in self.buckets.buckets):
+            self.buckets.finish()

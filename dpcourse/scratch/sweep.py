@@ -1,0 +1,85 @@
+"""The bucket-size sweep and the alpha-beta model behind it.
+
+On the ranks: ``time_all_reduce`` measures all-reduce times by message size, and
+``bucket_sweep`` trains with BucketedDDP and torch DDP at several ``bucket_cap_mb`` and
+reports, per cap, the buckets, seconds per step, and communication in flight and exposed.
+In the kernel: ``fit_alpha_beta`` fits the alpha-beta model of a ring all-reduce
+(``dpcourse.collectives.cost.ring_all_reduce_seconds``: 2(N-1) messages of n/N bytes, each
+costing alpha + (n/N)/beta) to the measured times, and ``predict_comm_seconds`` says what
+one step's buckets should cost: small buckets pay alpha many times, one huge bucket cannot
+start before backward ends.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..collectives.cost import ring_all_reduce_seconds
+from .bucketed import assign_buckets
+from .experiment import train_steps
+from .timeline import Event, comm_seconds, exposed_seconds
+
+
+def time_all_reduce(sizes_bytes, repeats: int = 20) -> dict:
+    """On every rank together: median seconds of a float32 all-reduce per size (bytes)."""
+    out = {}
+    for nbytes in sizes_bytes:
+        t = torch.ones(max(1, nbytes // 4))
+        dist.barrier()
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            dist.all_reduce(t)
+            samples.append(time.perf_counter() - start)
+        out[nbytes] = statistics.median(samples)
+    return out
+
+
+def fit_alpha_beta(seconds_by_bytes: dict, world_size: int) -> tuple[float, float]:
+    """(alpha in seconds per message, beta in bytes/s) of the ring model, least squares.
+
+    The ring all-reduce of n bytes takes 2(N-1) alpha + 2(N-1)/N n / beta: a straight line
+    in n, whose intercept and slope give alpha and beta.
+    """
+    if world_size < 2:
+        raise ValueError("the alpha-beta fit needs world_size >= 2 (one rank sends nothing)")
+    xs, ys = zip(*sorted(seconds_by_bytes.items()))
+    if len(xs) < 2:
+        raise ValueError("fit_alpha_beta needs times for at least two message sizes")
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    intercept = my - slope * mx
+    steps = 2 * (world_size - 1)
+    return max(intercept, 0.0) / steps, steps / world_size / slope
+
+
+def predict_comm_seconds(bucket_bytes, world_size: int, alpha: float, beta: float) -> float:
+    """alpha-beta seconds of all-reducing buckets of these sizes (bytes) one after another."""
+    return sum(ring_all_reduce_seconds(b, world_size, alpha, beta) for b in bucket_bytes)
+
+
+def bucket_bytes(param_numels, bucket_cap_mb: float, itemsize: int = 4) -> list[int]:
+    """Bytes of each bucket for parameters of these sizes (elements, registration order)."""
+    numels = list(param_numels)[::-1]
+    return [sum(numels[i] for i in b) * itemsize
+            for b in assign_buckets(numels, [itemsize] * len(numels), bucket_cap_mb)]
+
+
+def bucket_sweep(cfg, caps_mb, kinds=("bucketed", "torch_ddp"), record_steps: int = 3) -> list[dict]:
+    """On every rank together: per (kind, cap), train ``cfg.steps`` steps recording the last
+    ``record_steps``; this rank's figures per step: seconds (median over the recorded
+    steps), communication in flight and exposed (seconds), and the number of buckets."""
+    rows = []
+    for cap in caps_mb:
+        for kind in kinds:
+            r = train_steps(cfg, kind, record=True, record_steps=record_steps, bucket_cap_mb=cap)
+            events = [Event(**e) for e in r["timeline"]]
+            buckets = {e.name for e in events if e.kind == "all_reduce"}
+            rows.append({"kind": kind, "bucket_cap_mb": cap, "num_buckets": len(buckets),
+                         "step_s": statistics.median(r["step_time_s"][-record_steps:]),
+                         "comm_s": comm_seconds(events) / record_steps,
+                         "exposed_s": exposed_seconds(events) / record_steps})
+    return rows

@@ -1,0 +1,106 @@
+"""Drawing timelines: a Gantt chart per rank, and the bucket-size sweep. Pure drawing.
+
+Draws ``dpcourse.scratch.timeline`` events (and sweep rows) that the ranks recorded; it
+never starts processes. Each rank gets a "compute" lane (forward, per-layer backward,
+optimizer; red where it waits for communication), a "comm" lane (one bar per collective
+from launch to completion, stacked when several are in flight) and, for FSDP, a "memory"
+lane (how long each unit's gathered parameters lived: from all-gather to free).
+"""
+from __future__ import annotations
+
+from .colors import rank_color
+
+KIND_COLORS = {"forward": "#9ecae1", "backward": "#3182bd", "optimizer": "#969696",
+               "wait": "#de2d26", "all_reduce": "#fd8d3c", "all_gather": "#31a354",
+               "reduce_scatter": "#756bb1", "unsharded": "#c7e9c0"}
+LANES = ("compute", "comm", "memory")
+
+
+def _rows(events):
+    from dpcourse.scratch.timeline import stack_rows
+
+    return stack_rows(events)
+
+
+def draw_timeline(events, ax=None, title: str = "", unit: str = "ms", label_min: float = 0.06):
+    """A Gantt chart of merged events (``timeline.from_lists``), one band per rank.
+
+    unit: "ms" or "s" on the x axis. Bars wider than ``label_min`` of the axis get their
+    name written in. Returns the matplotlib Axes.
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    scale = {"ms": 1e3, "s": 1.0}[unit]
+    events = [e for e in events if e.end >= e.start]
+    rows = _rows(events)
+    ranks = sorted({e.rank for e in events})
+    depth = {}  # (rank, lane) -> rows used
+    for e, r in zip(events, rows):
+        key = (e.rank, e.lane)
+        depth[key] = max(depth.get(key, 0), r + 1)
+    y, base, ticks = 0.0, {}, []
+    for rank in reversed(ranks):
+        for lane in reversed(LANES):
+            if (rank, lane) in depth:
+                base[rank, lane] = y
+                ticks.append((y + depth[rank, lane] / 2, f"rank {rank} {lane}", rank))
+                y += depth[rank, lane]
+        y += 0.6
+    if ax is None:
+        _, ax = plt.subplots(figsize=(11, 0.45 * y + 1.2))
+    span = max((e.end for e in events), default=1.0) * scale
+    for e, r in zip(events, rows):
+        left, width = e.start * scale, max(e.duration * scale, span * 0.002)
+        bottom = base[e.rank, e.lane] + r + 0.1
+        ax.barh(bottom, width, left=left, height=0.8, align="edge",
+                color=KIND_COLORS.get(e.kind, "#bdbdbd"), edgecolor="white", linewidth=0.4)
+        if width > label_min * span and e.name:
+            ax.text(left + width / 2, bottom + 0.4, e.name.replace("gradient sync", "wait"),
+                    ha="center", va="center", fontsize=6.5, clip_on=True)
+    ax.set_yticks([t for t, _, _ in ticks], [label for _, label, _ in ticks], fontsize=8)
+    for tick, (_, _, rank) in zip(ax.get_yticklabels(), ticks):
+        tick.set_color(rank_color(rank))
+    ax.set_xlabel(f"time ({unit})")
+    ax.set_xlim(0, span * 1.01)
+    used = sorted({e.kind for e in events if e.kind in KIND_COLORS}, key=list(KIND_COLORS).index)
+    ax.legend(handles=[Patch(color=KIND_COLORS[k], label=k.replace("_", "-")) for k in used],
+              loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=len(used), fontsize=7, frameon=False)
+    if title:
+        ax.set_title(title, fontsize=10)
+    return ax
+
+
+def draw_bucket_sweep(rows, predicted=None, ax=None, title: str = "bucket-size sweep"):
+    """Seconds per step and exposed communication vs ``bucket_cap_mb``, one line per kind.
+
+    rows: ``scratch.sweep.bucket_sweep`` rows (from one rank, or the slowest per cap);
+    predicted: optional {bucket_cap_mb: seconds} of the alpha-beta model's communication
+    time. Returns the Axes (milliseconds on the y axis, MiB on a log x axis).
+    """
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(8, 4))
+    styles = {"bucketed": ("#3182bd", "BucketedDDP"), "torch_ddp": ("#e6550d", "torch DDP")}
+    for kind in sorted({r["kind"] for r in rows}):
+        mine = sorted((r for r in rows if r["kind"] == kind), key=lambda r: r["bucket_cap_mb"])
+        color, name = styles.get(kind, ("#636363", kind))
+        caps = [r["bucket_cap_mb"] for r in mine]
+        ax.plot(caps, [r["step_s"] * 1e3 for r in mine], "o-", color=color, label=f"{name}: step")
+        ax.plot(caps, [r["exposed_s"] * 1e3 for r in mine], "s--", color=color, alpha=0.7,
+                label=f"{name}: exposed comm")
+        if kind == "bucketed":
+            for r in mine:
+                ax.annotate(f"{r['num_buckets']}", (r["bucket_cap_mb"], r["step_s"] * 1e3),
+                            textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7)
+    if predicted:
+        caps = sorted(predicted)
+        ax.plot(caps, [predicted[c] * 1e3 for c in caps], ":", color="black",
+                label="alpha-beta: all buckets' comm")
+    ax.set_xscale("log")
+    ax.set_xlabel("bucket_cap_mb (MiB; numbers: buckets)")
+    ax.set_ylabel("ms per step")
+    ax.legend(fontsize=7)
+    ax.set_title(title, fontsize=10)
+    return ax
