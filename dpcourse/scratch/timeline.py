@@ -48,10 +48,17 @@ class Timeline:
     def __init__(self, rank: int = 0):
         self.rank = rank
         self.events: list[Event] = []
+        self.since = float("-inf")  # events that began before the last clear() are dropped
+        self._waiters: list[threading.Thread] = []
 
     def add(self, lane: str, kind: str, name: str, start: float, end: float | None = None,
             nbytes: int = 0) -> None:
-        """Append one span (``end`` defaults to now; an instant event has start == end)."""
+        """Append one span (``end`` defaults to now; an instant event has start == end).
+
+        A span that began before the last ``clear()`` is ignored: a collective of an earlier
+        step may finish (and report) after the clear."""
+        if start < self.since:
+            return
         self.events.append(Event(self.rank, lane, kind, name, start,
                                  time.perf_counter() if end is None else end, nbytes))
 
@@ -75,14 +82,22 @@ class Timeline:
         try:
             work.get_future().then(record)
         except RuntimeError:  # Gloo's reduce-scatter has no future: a thread waits instead
-            threading.Thread(target=lambda: (work.wait(), record()), daemon=True).start()
+            waiter = threading.Thread(target=lambda: (work.wait(), record()), daemon=True)
+            waiter.start()
+            self._waiters.append(waiter)
         return work
 
     def clear(self) -> None:
+        """Forget the events so far, and any that began before now but report later."""
+        self.since = time.perf_counter()
         self.events.clear()
 
     def to_list(self) -> list[dict]:
-        """The events as plain dicts (cheap to send to the kernel)."""
+        """The events as plain dicts (cheap to send to the kernel), once every collective
+        still being waited for by a helper thread has reported."""
+        for waiter in self._waiters:
+            waiter.join(timeout=10)
+        self._waiters = [w for w in self._waiters if w.is_alive()]
         return [asdict(e) for e in sorted(self.events, key=lambda e: (e.start, e.end))]
 
 
