@@ -26,6 +26,7 @@ import torch.multiprocessing as mp
 
 from ..pool import Cluster, RankError
 from ..pool.procs import free_port
+from ..scratch.sweep import time_all_reduce
 
 
 def _median_ms(samples) -> float:
@@ -52,17 +53,6 @@ def _timed_tiny_all_reduce():
     start = time.perf_counter()
     dist.all_reduce(t)
     return time.perf_counter() - start
-
-
-def _all_reduce_loop(n: int):
-    t = torch.ones(1)
-    dist.barrier()
-    samples = []
-    for _ in range(n):
-        start = time.perf_counter()
-        dist.all_reduce(t)
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
 
 
 def _spawned(rank: int, world_size: int, port: int) -> None:
@@ -115,7 +105,7 @@ def main(args) -> int:
 
         pool_ar = _median_ms(_time_calls(cluster, _tiny_all_reduce, 300))
         single = statistics.median(max(cluster.run(_timed_tiny_all_reduce)) for _ in range(300)) * 1e3
-        loop = max(cluster.run(_all_reduce_loop, 300)) * 1e3
+        loop = max(r[4] for r in cluster.run(time_all_reduce, [4], 300)) * 1e3  # 1 float, back to back
         row("1-float all_reduce via pool", pool_ar, "ms",
             f"in ranks: {single:.3g} ms as one call (x{pool_ar / single:.2f}), "
             f"{loop:.3g} ms back to back (x{pool_ar / loop:.2f})",
