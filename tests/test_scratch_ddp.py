@@ -224,6 +224,8 @@ def test_bucket_sweep_counts_the_buckets_it_planned(cluster2):
         mine = [r for r in rows if r["kind"] == kind]
         assert [r["num_buckets"] for r in mine] == [len(bucket_bytes(numels, c)) for c in caps]
         assert all(0 <= r["exposed_s"] <= r["comm_s"] and r["step_s"] > 0 for r in mine)
-    times = cluster2.run(time_all_reduce, [4096, 1 << 20], repeats=3)[0]
+    times = cluster2.run(time_all_reduce, [4096, 1 << 20, 8 << 20], repeats=7)[0]
     alpha, beta = fit_alpha_beta(times, 2)
     assert alpha >= 0 and beta > 0
+    with pytest.raises(ValueError, match="did not take longer"):
+        fit_alpha_beta({4096: 2e-3, 1 << 20: 1e-3}, 2)  # a noise-dominated pair

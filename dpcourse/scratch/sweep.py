@@ -51,6 +51,10 @@ def fit_alpha_beta(seconds_by_bytes: dict, world_size: int) -> tuple[float, floa
         raise ValueError("fit_alpha_beta needs times for at least two message sizes")
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    if slope <= 0:
+        raise ValueError("larger messages did not take longer in these timings, so they say nothing "
+                         "about bandwidth (noise from other processes?); time more repeats over sizes "
+                         "further apart, e.g. 4 KiB to 4 MiB")
     intercept = my - slope * mx
     steps = 2 * (world_size - 1)
     return max(intercept, 0.0) / steps, steps / world_size / slope
