@@ -5,10 +5,16 @@ import glob
 import json
 import re
 import subprocess
+import sys
+import time
 import tomllib
+import urllib.request
 from pathlib import Path
 
+import pytest
 import yaml
+
+from dpcourse.pool.procs import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -21,7 +27,7 @@ def test_readme_quick_start_is_two_commands_that_install_the_cpu_torch_first():
     open_course, run_tests = _readme_commands()[:2]
     for cmd in (open_course, run_tests):
         assert cmd.index("pip install torch==2.13.0") < cmd.index('pip install -e ".[dev]"')
-    assert open_course.endswith("jupyter lab notebooks/")
+    assert open_course.endswith("jupyter lab --allow-root notebooks/")
     assert run_tests.endswith("python -m pytest")
 
 
@@ -65,3 +71,32 @@ def test_notebooks_are_stored_without_outputs():
         for cell in cells:
             if cell["cell_type"] == "code":
                 assert cell["outputs"] == [] and cell["execution_count"] is None, book
+
+
+def test_readme_course_command_serves_the_notebooks():
+    """The part of the first command that opens the course really starts JupyterLab on notebooks/."""
+    launch = _readme_commands()[0].split(" && ")[-1].split()  # .venv/bin/jupyter lab ... notebooks/
+    jupyter = Path(sys.executable).with_name("jupyter")
+    port = free_port()
+    args = [str(jupyter)] + launch[1:] + ["--no-browser", f"--ServerApp.port={port}",
+                                          "--ServerApp.ip=127.0.0.1", "--IdentityProvider.token=t"]
+    server = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/contents?token=t", timeout=5) as r:
+                    names = {item["name"] for item in json.load(r)["content"]}
+                break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"JupyterLab did not start: {server.communicate(timeout=10)[1][-2000:]}")
+                time.sleep(0.3)
+        assert {"4.1-data-parallelism-in-depth.ipynb", "4.2-pytorch-data-parallelism-in-practice.ipynb"} <= names
+    finally:
+        server.terminate()  # our own child, by its Popen handle
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
