@@ -117,8 +117,8 @@ def test_step_volume_formulas():
                                     "all_reduce": 2 * (1 / 2) * psi / 2})
     assert volume.step_bytes("ddp", 1, [psi]) == {"all_reduce": 0.0}
     # Gloo's reduce_scatter sends like an all_reduce: FULL_SHARD costs 2x DDP's wire bytes.
-    wire = lambda v, n: sum(b * volume.gloo_wire_factor(c, n) / volume._ring(c, 1, n) for c, b in v.items())
-    assert wire(full, 4) / wire(volume.step_bytes("ddp", 4, [psi]), 4) == pytest.approx(2.0)
+    assert volume.gloo_wire_bytes(full) / volume.gloo_wire_bytes(volume.step_bytes("ddp", 4, [psi])) \
+        == pytest.approx(2.0)
 
 
 @pytest.mark.parametrize("options", [

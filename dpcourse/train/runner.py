@@ -185,10 +185,8 @@ def _comm_report(cfg: TrainConfig, model, sent) -> dict:
     for record in sent.records:
         if record.logical_sent:
             measured[record.collective] = measured.get(record.collective, 0) + record.logical_sent
-    wire_theory = sum(bytes_ * volume.gloo_wire_factor(c, world) / volume.gloo_wire_factor("all_gather", world)
-                      if c == "reduce_scatter" else bytes_ for c, bytes_ in theory.items())
     return {"param_bytes": root + sum(units), "theory": theory, "measured": measured,
-            "wire": sent.wire, "gloo_wire_theory": wire_theory}
+            "wire": sent.wire, "gloo_wire_theory": volume.gloo_wire_bytes(theory)}
 
 
 def _memory_report(cfg: TrainConfig, at_rest: dict, record: dict) -> dict:

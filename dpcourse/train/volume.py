@@ -19,11 +19,12 @@ the wire bytes next to these figures.
 """
 from __future__ import annotations
 
+from ..collectives.cost import bus_factor
+
 
 def _ring(collective: str, nbytes: float, n: int) -> float:
-    if n <= 1:
-        return 0.0
-    return nbytes * (2 * (n - 1) / n if collective == "all_reduce" else (n - 1) / n)
+    """Bytes one rank sends in a bandwidth-optimal ``collective`` of ``nbytes`` over n ranks."""
+    return nbytes * bus_factor(collective, n)
 
 
 def step_bytes(strategy: str, world_size: int, unit_bytes: list[int], root_bytes: int = 0,
@@ -51,13 +52,11 @@ def step_bytes(strategy: str, world_size: int, unit_bytes: list[int], root_bytes
     return volume
 
 
-def gloo_wire_factor(collective: str, world_size: int) -> float:
-    """What Gloo's CPU implementation really sends per rank, per byte of payload S.
+def gloo_wire_bytes(volume: dict[str, float]) -> float:
+    """What Gloo's CPU algorithms send per rank for a ``step_bytes`` volume (bytes).
 
-    Its reduce_scatter is an all_reduce followed by keeping one chunk, so it sends
-    2(N-1)/N * S, not (N-1)/N * S (measured with /proc/self/io write counters).
+    Gloo's reduce_scatter is an all_reduce that keeps one chunk, so it sends 2(N-1)/N * S
+    where a ring sends (N-1)/N * S -- twice the bytes, whatever N is (measured with
+    /proc/self/io write counters); its all_reduce and all_gather send what a ring sends.
     """
-    n = world_size
-    if collective in ("all_reduce", "reduce_scatter"):
-        return 2 * (n - 1) / n
-    return (n - 1) / n
+    return sum(nbytes * (2 if collective == "reduce_scatter" else 1) for collective, nbytes in volume.items())
