@@ -9,6 +9,7 @@ through DCP, and the loss averaged over ranks (the loss of the global batch).
 from __future__ import annotations
 
 import contextlib
+import gc
 import sys
 import time
 
@@ -126,9 +127,10 @@ def train(cfg: TrainConfig, return_state: bool = False) -> dict:
                 return held["loss"]
 
             sent = measure_bytes_sent(measured_step)
-            loss, comm = sent.result, _comm_report(cfg, model, sent)
+            plain = models.build_model(cfg.model, seed=cfg.seed, **cfg.model_sizes)  # theory's sizes
+            loss, comm = sent.result, _comm_report(cfg, model, plain, sent)
             if cfg.measure_memory:
-                memory = _memory_report(cfg, held["at_rest"], held["record"])
+                memory = _memory_report(cfg, plain, held["at_rest"], held["record"])
         else:
             loss = one_step(x, y)
         global_loss = loss.detach().float().clone()
@@ -166,9 +168,9 @@ def unit_names(model) -> list[str]:
     return names
 
 
-def _comm_report(cfg: TrainConfig, model, sent) -> dict:
-    """Bytes this rank sent in one step: measured (logical, by collective; wire) next to theory."""
-    plain = models.build_model(cfg.model, seed=cfg.seed, **cfg.model_sizes)
+def _comm_report(cfg: TrainConfig, model, plain, sent) -> dict:
+    """Bytes this rank sent in one step: measured (logical, by collective; wire) next to theory
+    computed from ``plain``, the unwrapped model."""
     itemsize = 4  # fp32 parameters
     if cfg.strategy == "ddp":
         units, root = [itemsize * sum(p.numel() for p in plain.parameters())], 0
@@ -189,7 +191,7 @@ def _comm_report(cfg: TrainConfig, model, sent) -> dict:
             "wire": sent.wire, "gloo_wire_theory": volume.gloo_wire_bytes(theory)}
 
 
-def _memory_report(cfg: TrainConfig, at_rest: dict, record: dict) -> dict:
+def _memory_report(cfg: TrainConfig, plain, at_rest: dict, record: dict) -> dict:
     """Bytes this rank holds at rest (after the optimizer step, before zero_grad) and at the
     step's peak, next to the memory ledger.
 
@@ -199,7 +201,6 @@ def _memory_report(cfg: TrainConfig, at_rest: dict, record: dict) -> dict:
     """
     from ..memory import report
     from ..memory.layout import unit_shapes
-    plain = models.build_model(cfg.model, seed=cfg.seed, **cfg.model_sizes)
     if cfg.strategy == "ddp":
         strategy, options = "ddp", {"gradient_as_bucket_view": cfg.gradient_as_bucket_view}
     elif cfg.strategy == "fsdp2":
@@ -286,5 +287,9 @@ def main(argv=None) -> int:
         # Every rank must reach this point before the group goes away: without the barrier,
         # agents on different "nodes" tear down while peers still talk (seen as SIGABRT).
         dist.barrier()
+        # The model and optimizer sit in reference cycles (module hooks) that hold the process
+        # group; left to the interpreter's teardown, the group's threads are destroyed out of
+        # order and a rank can abort at exit ("terminate called without an active exception").
+        gc.collect()
         dist.destroy_process_group()
     return 0
