@@ -75,6 +75,51 @@ def test_every_variant_equals_pytorch_bitwise(cluster):
     assert cluster.run(_compare_with_pytorch) == [[]] * cluster.world_size
 
 
+def _compare_in_small_segments(segment_bytes):
+    """Like _compare_with_pytorch, with segments of a few bytes, so that every chunk travels
+    in several segments (up to MAX_SEGMENTS, and neighbouring chunks in different numbers)
+    and the receives posted steps ahead, with their reused slots, are all exercised."""
+    from dpcourse.collectives import ring
+    rank, n = dist.get_rank(), dist.get_world_size()
+    saved, ring.SEGMENT_BYTES = ring.SEGMENT_BYTES, segment_bytes
+    bad = []
+    try:
+        for numel in (5, 7, 29, 64, 257, 1001):
+            bounds = chunk_bounds(numel, n)
+            x = _input(rank, numel, torch.int64, seed=2)
+            want = x.clone()
+            dist.all_reduce(want)
+            got = x.clone()
+            trace = Trace()
+            ring_all_reduce(got, trace=trace)
+            if not torch.equal(got, want):
+                bad.append(f"ring_all_reduce numel={numel}")
+            if trace.bytes_sent()[rank] != bytes_sent_per_rank("ring_all_reduce", n, numel, 8)[rank]:
+                bad.append(f"bytes numel={numel}")
+            if not torch.equal(ring_reduce_scatter(x.clone()), want[slice(*bounds[rank])]):
+                bad.append(f"ring_reduce_scatter numel={numel}")
+            mine = want.clone()
+            for r in range(n):
+                if r != rank:
+                    mine[slice(*bounds[r])] = -1  # must be overwritten by rank r's chunk
+            if not torch.equal(ring_all_gather(mine), want):
+                bad.append(f"ring_all_gather numel={numel}")
+            y = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
+            want_avg, got_avg = y.clone(), y.clone()
+            dist.all_reduce(want_avg, op=dist.ReduceOp.AVG)
+            ring_all_reduce(got_avg, op="avg")
+            if not torch.allclose(got_avg, want_avg, rtol=1e-6, atol=1e-6):
+                bad.append(f"avg numel={numel}")
+    finally:
+        ring.SEGMENT_BYTES = saved
+    return bad
+
+
+@pytest.mark.parametrize("segment_bytes", [8, 24, 200])
+def test_many_segments_per_chunk_equal_pytorch(cluster, segment_bytes):
+    assert cluster.run(_compare_in_small_segments, segment_bytes) == [[]] * cluster.world_size
+
+
 def _traced(algorithm, numel):
     fns = {"ring_all_reduce": ring_all_reduce, "ring_reduce_scatter": ring_reduce_scatter,
            "ring_all_gather": ring_all_gather, "naive_all_reduce": naive_all_reduce,

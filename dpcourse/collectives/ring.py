@@ -10,10 +10,9 @@ workstations", JPDC 2009). The steps are ``schedule.ring_all_reduce_steps``.
 
 Speed: each chunk travels in segments, and a segment moves on as soon as it has been
 added, so sending the next step overlaps adding the rest of this one (the pipelined ring of
-the paper above). Each segment's receive for the next step is posted right after its send
-(on Gloo's TCP transport a receive posted long before the peer's send stalled that message
-by milliseconds in our measurements on 2 cores), into a reused buffer
-(reduce-scatter) or straight into the tensor (all-gather): no data is copied in Python.
+the paper above). Receives are posted ``AHEAD`` steps early -- a segment's slot is reposted
+as soon as its add has read it -- into reused buffers (reduce-scatter) or straight into the
+tensor (all-gather): no data is copied in Python.
 """
 from __future__ import annotations
 
@@ -28,6 +27,10 @@ from .schedule import chunk_bounds
 # Chosen with `python -m dpcourse.bench collectives`.
 SEGMENT_BYTES = 1 << 20
 MAX_SEGMENTS = 8
+# Receives are posted this many steps ahead (two, like Gloo's own ring): on Gloo's TCP
+# transport a send's data leaves only once the receiver has posted its receive, so a
+# receive posted early lets the neighbour's send go out the moment it is made.
+AHEAD = 2
 
 
 def _segments(lo: int, hi: int, itemsize: int) -> list[tuple[int, int]]:
@@ -95,40 +98,40 @@ def _reduce_scatter(ring: _Ring, avg: bool, then_all_gather: bool) -> None:
     sends, segment by segment, as soon as the own chunk's segments are complete."""
     n, r, flat = ring.n, ring.rank, ring.flat
     cap = max(hi - lo for segs in ring.segs for lo, hi in segs)
-    scratch = _scratch(2 * MAX_SEGMENTS * cap, flat)
-    # two banks of segment slots: step s+1 receives into one while step s's adds still
-    # read the other
+    scratch = _scratch(AHEAD * MAX_SEGMENTS * cap, flat)
+    # one bank of segment slots per step in flight: step s receives into bank s % AHEAD
+    # while the adds of the steps before it still read the other banks
     slot = [[scratch[(b * MAX_SEGMENTS + j) * cap:(b * MAX_SEGMENTS + j + 1) * cap]
-             for j in range(MAX_SEGMENTS)] for b in range(2)]
+             for j in range(MAX_SEGMENTS)] for b in range(AHEAD)]
+
+    def arriving(step):  # the chunk that arrives at `step`; we pass it on at step + 1
+        return (r - step - 2) % n
 
     def post_recv(step, j):
-        c = (r - step - 2) % n
-        lo, hi = ring.segs[c][j]
-        return ring.recv(step, c, j, slot[step % 2][j][:hi - lo])
+        lo, hi = ring.segs[arriving(step)][j]
+        return ring.recv(step, arriving(step), j, slot[step % AHEAD][j][:hi - lo])
 
-    def post_rest(step, posted):  # receives of `step` not yet posted
-        return posted + [post_recv(step, j) for j in range(len(posted), len(ring.segs[(r - step - 2) % n]))]
-
+    recvs = {(step, j): post_recv(step, j)
+             for step in range(min(AHEAD, n - 1)) for j in range(len(ring.segs[arriving(step)]))}
     for j in range(len(ring.segs[(r - 1) % n])):
         ring.send("reduce-scatter", 0, (r - 1) % n, j)
-    recvs = post_rest(0, [])
     for s in range(n - 1):
-        c = (r - s - 2) % n  # arriving now; we send it on at step s+1 (or own it after)
-        last = s == n - 2
-        upcoming = []
+        c, later = arriving(s), s + AHEAD  # `later`: the step whose receives go out now
+        later_segs = len(ring.segs[arriving(later)]) if later <= n - 2 else 0
         for j, (lo, hi) in enumerate(ring.segs[c]):
-            recvs[j].wait()
-            flat[lo:hi].add_(slot[s % 2][j][:hi - lo])
-            if not last:
+            recvs.pop((s, j)).wait()
+            flat[lo:hi].add_(slot[s % AHEAD][j][:hi - lo])
+            if s < n - 2:
                 ring.send("reduce-scatter", s + 1, c, j)  # this segment is complete: pass it on
-                if j < len(ring.segs[(c - 1) % n]):
-                    upcoming.append(post_recv(s + 1, j))
             else:
                 if avg:
                     flat[lo:hi].div_(n)
                 if then_all_gather:
                     ring.send("all-gather", n - 1, c, j)
-        recvs = [] if last else post_rest(s + 1, upcoming)
+            if j < later_segs:  # its slot is free again
+                recvs[later, j] = post_recv(later, j)
+        for j in range(len(ring.segs[c]), later_segs):
+            recvs[later, j] = post_recv(later, j)
 
 
 def _all_gather(ring: _Ring, first_step: int, first_sent: bool) -> None:
@@ -138,24 +141,26 @@ def _all_gather(ring: _Ring, first_step: int, first_sent: bool) -> None:
         for j in range(len(ring.segs[r])):
             ring.send("all-gather", first_step, r, j)
 
-    def post_recv(s, j):
-        c = (r - s - 1) % n  # chunk r-s-1 arrives at step s
-        lo, hi = ring.segs[c][j]
-        return ring.recv(first_step + s, c, j, flat[lo:hi])
+    def arriving(s):  # chunk r-s-1 arrives at step s
+        return (r - s - 1) % n
 
-    recvs = [post_recv(0, j) for j in range(len(ring.segs[(r - 1) % n]))]
+    def post_recv(s, j):
+        lo, hi = ring.segs[arriving(s)][j]
+        return ring.recv(first_step + s, arriving(s), j, flat[lo:hi])
+
+    recvs = {(s, j): post_recv(s, j)
+             for s in range(min(AHEAD, n - 1)) for j in range(len(ring.segs[arriving(s)]))}
     for s in range(n - 1):
-        c = (r - s - 1) % n
-        upcoming = []
-        for j, work in enumerate(recvs):
-            work.wait()
+        c, later = arriving(s), s + AHEAD
+        later_segs = len(ring.segs[arriving(later)]) if later <= n - 2 else 0
+        for j in range(len(ring.segs[c])):
+            recvs.pop((s, j)).wait()
             if s < n - 2:
                 ring.send("all-gather", first_step + s + 1, c, j)
-                if j < len(ring.segs[(c - 1) % n]):
-                    upcoming.append(post_recv(s + 1, j))
-        if s < n - 2:
-            upcoming += [post_recv(s + 1, j) for j in range(len(upcoming), len(ring.segs[(c - 1) % n]))]
-        recvs = upcoming
+            if j < later_segs:
+                recvs[later, j] = post_recv(later, j)
+        for j in range(len(ring.segs[c]), later_segs):
+            recvs[later, j] = post_recv(later, j)
 
 
 def _start(tensor, group, trace, caller, algorithm):
