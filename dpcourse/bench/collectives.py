@@ -1,6 +1,6 @@
 """All-reduce algorithms side by side, nccl-tests style: PyTorch's vs ours, in one run.
 
-    python -m dpcourse.bench collectives [--world-sizes 2 4] [--sizes-mib 1 16 64] [--rounds 9]
+    python -m dpcourse.bench collectives [--world-sizes 2 4] [--sizes-mib 1 16 64] [--rounds 21]
 
 For each world size, one cluster; for each size, every variant runs once to warm up, then
 ``rounds`` interleaved rounds (the order rotates each round, so load on the machine hits
@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from ..collectives import (Trace, busbw, bytes_sent_per_rank, measure_bytes_sent,
                            naive_all_reduce, ring_all_reduce, whole_ring_all_reduce)
+from ..collectives.checks import check_same_size
 from ..pool import Cluster
 
 HELP = "all-reduce: dist.all_reduce vs our ring vs naive variants (time, algbw, busbw, bytes)"
@@ -32,7 +33,7 @@ TARGET = 0.8  # our ring's busbw relative to dist.all_reduce's, at >= 16 MiB
 def add_arguments(parser) -> None:
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--sizes-mib", type=float, nargs="+", default=[1, 16, 64])
-    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--rounds", type=int, default=21)
 
 
 def _measure(sizes_bytes, rounds):
@@ -56,7 +57,26 @@ def _measure(sizes_bytes, rounds):
             kwargs = {"trace": trace} if name != "dist.all_reduce" else {}
             sent = measure_bytes_sent(VARIANTS[name], t, **kwargs)
             out[nbytes, name] = (times[name], sent.wire, sum(x.nbytes for x in trace.transfers))
+    out["size check"] = _time_size_checks(50)
     return out
+
+
+def _time_size_checks(calls):
+    """Seconds per call, back to back, of the size check every ring call starts with, and
+    of an all_gather of (numel, dtype), which it runs only when the sizes differ."""
+    n, small = dist.get_world_size(), torch.ones(1000)
+    checks = {"all_reduce": lambda: check_same_size(small, dist.group.WORLD, n, "bench"),
+              "all_gather": lambda: dist.all_gather([torch.empty(2, dtype=torch.int64) for _ in range(n)],
+                                                    torch.zeros(2, dtype=torch.int64))}
+    per_call = {}
+    for name, check in checks.items():
+        check()
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(calls):
+            check()
+        per_call[name] = (time.perf_counter() - start) / calls
+    return per_call
 
 
 def main(args) -> int:
@@ -64,20 +84,25 @@ def main(args) -> int:
           f"float32, {args.rounds} interleaved rounds, medians")
     header = ("N", "size", "variant", "time ms", "algbw GB/s", "busbw GB/s", "vs dist",
               "sent/rank MiB: wire", "trace", "formula")
-    rows, verdicts = [header], []
+    rows, verdicts, checks = [header], [], []
     sizes = [int(mib * 2**20) // 4 * 4 for mib in args.sizes_mib]
     for n in args.world_sizes:
         with Cluster(world_size=n, timeout=1800) as cluster:
             per_rank = cluster.run(_measure, sizes, args.rounds)
+        checks.append((n, *(max(r["size check"][name] for r in per_rank)
+                            for name in ("all_reduce", "all_gather"))))
         for nbytes in sizes:
-            reference = None
+            # per round: the slowest rank's time; the table shows the median over rounds
+            slowest = {name: [max(r[nbytes, name][0][i] for r in per_rank) for i in range(args.rounds)]
+                       for name in VARIANTS}
             for name in VARIANTS:
-                # per round: the slowest rank's time; then the median over rounds
-                slowest = [max(r[nbytes, name][0][i] for r in per_rank) for i in range(args.rounds)]
-                seconds = statistics.median(slowest)
+                seconds = statistics.median(slowest[name])
                 bus = busbw("all_reduce", nbytes, seconds, n)
-                reference = bus if name == "dist.all_reduce" else reference
-                ratio = bus / reference if reference else float("nan")
+                # busbw relative to dist.all_reduce's, round by round (the two ran back to back,
+                # so a drift in the machine's speed cancels), then the median and quartiles
+                ratios = sorted(d / t for d, t in zip(slowest["dist.all_reduce"], slowest[name]))
+                ratio = statistics.median(ratios)
+                quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
                 wire = max(r[nbytes, name][1] or 0 for r in per_rank)
                 traced = max(r[nbytes, name][2] for r in per_rank)
                 algorithm = "ring_all_reduce" if name == "dist.all_reduce" else name
@@ -87,16 +112,20 @@ def main(args) -> int:
                              f"{wire / 2**20:.2f}", f"{traced / 2**20:.2f}" if traced else "-",
                              f"{formula / 2**20:.2f}"))
                 if name == "ring_all_reduce" and nbytes >= 16 * 2**20:
-                    verdicts.append((n, nbytes, ratio))
+                    verdicts.append((n, nbytes, ratio, quartiles[0], quartiles[2]))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     for r in rows:
         print("  ".join(c.rjust(w) if i != 2 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
     print("sent/rank: the busiest rank (the root, for naive_all_reduce); "
           "formula for dist.all_reduce: a bandwidth-optimal all-reduce, 2(N-1)/N*S")
+    for n, reduce_s, gather_s in checks:
+        print(f"N={n}: the size check before each ring call, one all_reduce(MAX) of [key, -key]: "
+              f"{reduce_s * 1e3:.2f} ms per call (50 back to back); an all_gather of (numel, dtype) "
+              f"instead: {gather_s * 1e3:.2f} ms")
     worst = min((v for v in verdicts), key=lambda v: v[2], default=None)
     if worst:
         ok = worst[2] >= TARGET
         print(f"target: ring_all_reduce busbw >= {TARGET}x dist.all_reduce's at >= 16 MiB: "
               f"{'ok' if ok else 'MISSED'} (lowest {worst[2]:.2f}x, N={worst[0]}, "
-              f"{worst[1] / 2**20:g} MiB)")
+              f"{worst[1] / 2**20:g} MiB; round-by-round quartiles {worst[3]:.2f}-{worst[4]:.2f}x)")
     return 0

@@ -1,0 +1,34 @@
+"""The benchmarks run end to end, and their tables are consistent with the formulas."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def test_collectives_benchmark_prints_a_table_bytes_and_the_target():
+    out = subprocess.run([sys.executable, "-m", "dpcourse.bench", "collectives", "--world-sizes", "2",
+                          "--sizes-mib", "0.25", "16", "--rounds", "3"],
+                         capture_output=True, text=True, timeout=200, check=True).stdout
+    rows = [line.split() for line in out.splitlines() if re.match(r"2 +[\d.]+ MiB", line)]
+    assert len(rows) == 2 * 4, out  # two sizes, four variants
+    for row in rows:
+        n, size, _, name, ms, algbw, busbw, ratio, wire, traced, formula = row
+        assert float(ms) > 0 and float(busbw) == pytest.approx(float(algbw), abs=0.011)  # N=2
+        assert abs(float(wire) - float(formula)) <= 0.01, row  # measured on the wire
+        if traced != "-":
+            assert traced == formula, row  # our trace
+        if name == "dist.all_reduce":
+            assert ratio == "1.00x"
+    ring_16 = next(r for r in rows if r[1] == "16" and r[3] == "ring_all_reduce")
+    target = re.search(r"target: .*: (ok|MISSED) \(lowest ([\d.]+)x, N=2, 16 MiB; "
+                       r"round-by-round quartiles ([\d.]+)-([\d.]+)x\)", out)
+    assert target, out
+    assert ring_16[7] == f"{target.group(2)}x"
+    assert float(target.group(3)) <= float(target.group(2)) <= float(target.group(4))
+    assert (target.group(1) == "ok") == (float(target.group(2)) >= 0.8)
+    assert re.search(r"N=2: the size check before each ring call.*: [\d.]+ ms per call", out)
