@@ -6,8 +6,11 @@ For each world size, one cluster; for each size, every variant runs once to warm
 ``rounds`` interleaved rounds (the order rotates each round, so load on the machine hits
 all variants alike). Time: from leaving a barrier to the slowest rank's return, median over
 rounds. algbw = S / time, busbw = algbw * 2(N-1)/N (nccl-tests' definitions, S the tensor's
-bytes). Then, per rank: bytes sent on the wire (``/proc/self/io``), from our trace, and the
-formula (``cost.bytes_sent_per_rank``; for dist.all_reduce the bandwidth-optimal 2(N-1)/N*S).
+bytes). "vs dist": busbw relative to dist.all_reduce's, taken round by round (the two ran
+in the same round, so a drift in the machine's speed cancels), median over rounds; the
+verdict line adds the quartiles. Then, per rank: bytes sent on the wire (``/proc/self/io``),
+from our trace, and the formula (``cost.bytes_sent_per_rank``; for dist.all_reduce the
+bandwidth-optimal 2(N-1)/N*S), and what the ring's size check costs per call.
 The target: our ring's busbw >= 0.8x dist.all_reduce's at >= 16 MiB.
 """
 from __future__ import annotations
@@ -98,8 +101,7 @@ def main(args) -> int:
             for name in VARIANTS:
                 seconds = statistics.median(slowest[name])
                 bus = busbw("all_reduce", nbytes, seconds, n)
-                # busbw relative to dist.all_reduce's, round by round (the two ran back to back,
-                # so a drift in the machine's speed cancels), then the median and quartiles
+                # "vs dist": round by round, then the median (and quartiles for the verdict)
                 ratios = sorted(d / t for d, t in zip(slowest["dist.all_reduce"], slowest[name]))
                 ratio = statistics.median(ratios)
                 quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
