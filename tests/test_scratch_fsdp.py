@@ -16,10 +16,10 @@ from dpcourse.train import TrainConfig
 pytestmark = pytest.mark.timeout(180)
 
 
-def _cfg(model="mlp", optimizer="sgd", **kw):
+def _cfg(model="mlp", optimizer="sgd", model_sizes=None, **kw):
     sizes = {"d_hidden": 30, "depth": 3} if model == "mlp" else {}  # 30: units need padding
-    return TrainConfig(model=model, model_sizes=sizes, optimizer=optimizer, steps=3, batch_size=4,
-                       num_samples=96, progress=False, **kw)
+    return TrainConfig(model=model, model_sizes=model_sizes or sizes, optimizer=optimizer, steps=3,
+                       batch_size=4, num_samples=96, progress=False, **kw)
 
 
 def _assert_matches(results, reference, atol):
@@ -100,13 +100,17 @@ def test_minifsdp_sends_the_collectives_of_pytorch_fsdp(request, world):
 
 
 def test_our_ring_reduce_scatter_sends_less_than_gloos(cluster4):
-    """Gloo's reduce-scatter sends 2(N-1)/N of its input (like an all-reduce), a ring (N-1)/N."""
-    cfg = _cfg()
+    """Gloo's reduce-scatter sends 2(N-1)/N of its input (like an all-reduce), a ring (N-1)/N.
+
+    The model is wide enough (126) that the data outweighs what both sides send besides
+    it (Gloo's per-message headers and notices, the ring's size check): with width 30 those
+    were a third of the difference."""
+    cfg = _cfg(model_sizes={"d_hidden": 126, "depth": 3})
     gloo = cluster4.run(compare.bytes_sent_per_step, cfg, "backend")
     ring = cluster4.run(compare.bytes_sent_per_step, cfg, "ring")
     saved = 3 / 4 * gloo[0]["reduce_scatter_bytes"]
     for g, r in zip(gloo, ring):
-        assert 0.9 * saved <= g["wire"] - r["wire"] <= 1.3 * saved
+        assert 0.95 * saved <= g["wire"] - r["wire"] <= 1.1 * saved
 
 
 def test_the_timeline_shows_the_fsdp_rhythm(cluster2):
