@@ -6,11 +6,11 @@
     %load_ext dpcourse                       # then %%ranks runs a cell on every rank
 """
 from .pool import (Cluster, ClusterError, RankDied, RankError, RankReport, RankTimeout,
-                   SerializationError, current_cluster)
+                   SerializationError, current_cluster, free_port)
 
 __version__ = "0.1.0"
 __all__ = ["Cluster", "ClusterError", "RankDied", "RankError", "RankReport", "RankTimeout",
-           "SerializationError", "current_cluster", "load_ipython_extension"]
+           "SerializationError", "current_cluster", "free_port", "load_ipython_extension"]
 
 
 def load_ipython_extension(ipython) -> None:

@@ -20,10 +20,12 @@ import tempfile
 import time
 import weakref
 
+from ..backends import BackendError, choose_backend
 from . import wire
 from .errors import ClusterError, RankDied, RankError, RankReport, RankTimeout
 from .output import RankPrinter
-from .procs import Generation, LauncherProcess, check_port, describe_exit, free_port, readable
+from .procs import (Generation, LauncherProcess, MemoryWatch, check_port, describe_exit, free_ports,
+                    readable)
 
 ERROR_GRACE_S = 0.25  # after the first failure, how long other ranks may take to report theirs
 INTERRUPT_GRACE_S = 1.0  # after the stop button, how long ranks may take to unwind
@@ -43,19 +45,11 @@ def _close(launcher: LauncherProcess, crash_dir: str) -> None:
 
 
 def resolve_backend(backend: str, world_size: int) -> str:
-    """'gloo' or 'nccl' for this machine; a clear error for a request it cannot serve."""
-    if backend not in ("auto", "gloo", "nccl"):
-        raise ClusterError(f"backend must be 'auto', 'gloo' or 'nccl', not {backend!r}")
-    import torch
-
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if backend == "auto":
-        return "nccl" if gpus >= world_size else "gloo"
-    if backend == "nccl" and gpus < world_size:
-        raise ClusterError(
-            f"backend='nccl' needs one CUDA device per rank: world_size={world_size} but this "
-            f"machine has {gpus}. Use backend='gloo' (CPU ranks) or world_size<={gpus}.")
-    return backend
+    """The backend for this machine (``backends.choose_backend``); ClusterError if it cannot serve."""
+    try:
+        return choose_backend(backend, world_size)
+    except BackendError as err:
+        raise ClusterError(str(err)) from None
 
 
 class Cluster:
@@ -80,6 +74,8 @@ class Cluster:
         self._sent_sources: set[str] = set()
         self._run_id = 0
         self._gen: Generation | None = None
+        self._group_lost: set[int] = set()  # ranks whose process group rank code destroyed
+        self._memory = MemoryWatch()
         self.closed = False
         self._crash_dir = tempfile.mkdtemp(prefix="dpcourse-")
         self._launcher = LauncherProcess(start_timeout)
@@ -134,6 +130,41 @@ class Cluster:
 
         linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
         return self._call("cell", wire.dumps((source, filename)), timeout)
+
+    def run_script(self, path, *argv, timeout=_DEFAULT) -> list[int]:
+        """Run the Python file ``path`` on every rank as ``torchrun`` would; exit codes by rank.
+
+        The file runs as ``__main__`` with ``sys.argv == [path, *argv]``, torchrun's
+        environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR,
+        MASTER_PORT on a fresh port, TORCHELASTIC_RUN_ID, ...) and *no* process group: the
+        script calls ``init_process_group`` and ``destroy_process_group`` itself, so the
+        same file runs unchanged under torchrun. Afterwards the cluster's own group is back.
+        A rank that raises, or exits with a non-zero code (``sys.exit(3)``), raises RankError.
+        """
+        __tracebackhide__ = True
+        path = os.path.abspath(os.fspath(path))
+        try:
+            with open(path, encoding="utf-8") as f:
+                source = f.read()
+        except OSError as err:
+            raise ClusterError(f"cannot read the script {path!r}: {err.strerror}") from None
+        return self._script(path, source, argv, timeout)
+
+    def run_script_source(self, source: str, *argv, timeout=_DEFAULT) -> list[int]:
+        """``run_script`` for source text (what ``%%ranks --script`` does with a cell)."""
+        __tracebackhide__ = True
+        filename = f"<ranks-script-{self._run_id + 1}>"
+        import linecache
+
+        linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+        return self._script(filename, source, argv, timeout)
+
+    def _script(self, path: str, source: str, argv: tuple, timeout) -> list[int]:
+        __tracebackhide__ = True
+        self._check_open()
+        port, reinit_port = free_ports(2)
+        call = wire.dumps((path, source, [str(a) for a in argv], port, reinit_port))
+        return self._call("script", call, timeout)
 
     def restart(self) -> None:
         """Kill the ranks and start fresh ones (new process group, empty rank namespaces)."""
@@ -190,7 +221,8 @@ class Cluster:
         number = self._gen.number + 1 if self._gen else 0
         self._gen = None
         self._sent_sources.clear()
-        port = self._master_port or free_port()
+        self._group_lost.clear()
+        port = self._master_port or free_ports(1)[0]
         self._gen = self._launcher.spawn(self._spec(port, number), number)
 
     def _wait_ready(self) -> None:
@@ -228,6 +260,25 @@ class Cluster:
                 self._restart()
         if not self._gen.ready:
             self._wait_ready()
+        if self._group_lost:
+            self._restore_group()
+
+    def _restore_group(self) -> None:
+        """Rank code destroyed the default process group: every rank joins a fresh one."""
+        lost = sorted(self._group_lost)
+        self._group_lost.clear()
+        which = "every rank" if len(lost) == self.world_size else "rank " + ", ".join(map(str, lost))
+        try:
+            self._call("reinit", wire.dumps(free_ports(1)[0]), 60.0)
+        except ClusterError as err:
+            print(f"dpcourse: rank code destroyed the process group on {which}, and joining a new "
+                  f"one failed ({type(err).__name__}); restarting the ranks.", file=sys.stderr)
+            self._restart()
+            self._wait_ready()
+            return
+        print(f"dpcourse: rank code destroyed the process group on {which}; the cluster "
+              "re-initialised it (destroy_process_group belongs in scripts: cluster.run_script).",
+              file=sys.stderr)
 
     def _exit_text(self, gen: Generation, rank: int, wait_s: float = 0.5) -> str:
         pid = gen.pids[rank]
@@ -235,7 +286,8 @@ class Cluster:
         while pid not in self._launcher.exited and time.monotonic() < deadline:
             if self._launcher.conn.poll(0.02):
                 self._launcher.poll_one()
-        return describe_exit(self._launcher.exited.get(pid)) + f" (pid {pid})"
+        status = self._launcher.exited.get(pid)
+        return describe_exit(status) + f" (pid {pid})" + self._memory.kill_hint(pid, status)
 
     # --- one call --------------------------------------------------------------------
     def _poll(self, gen: Generation, pending: set[int], timeout: float):
@@ -303,23 +355,31 @@ class Cluster:
                 break
             if timeout is not None and now - start > timeout:
                 self._fail(gen, pending, reports, RankTimeout, timeout)
+            self._memory.sample([gen.pids[r] for r in pending])
             for rank, msg in self._poll(gen, pending, 0.05 if first_failure else 0.1):
                 pending.discard(rank)
-                if msg is None:
-                    reports[rank] = RankReport(rank, "died", self._exit_text(gen, rank),
-                                               self._crash_log(gen, rank))
-                elif msg[0] == "ok":
-                    results[rank] = msg[2]
-                    reports[rank] = RankReport(rank, "finished", "finished")
-                elif msg[0] == "raised":
-                    reports[rank] = RankReport(rank, "raised", "raised " + msg[2], msg[3], msg[4])
-                else:
-                    reports[rank] = RankReport(rank, "interrupted", "was interrupted")
+                reports[rank] = self._report(gen, rank, msg, results)
                 if reports[rank].state != "finished" and first_failure is None:
                     first_failure = time.monotonic()
         if first_failure is not None:
             died = any(r.state == "died" for r in reports.values())
             self._fail(gen, pending, reports, RankDied if died else RankError)
+
+    def _report(self, gen: Generation, rank: int, msg, results: list) -> RankReport:
+        """What a rank's reply (None: the rank died) says; notes a destroyed process group."""
+        if msg is None:
+            return RankReport(rank, "died", self._exit_text(gen, rank), self._crash_log(gen, rank))
+        if not msg[-1]:  # the last item of every reply: is the pool's process group intact?
+            self._group_lost.add(rank)
+        if msg[0] == "ok":
+            results[rank] = msg[2]
+            return RankReport(rank, "finished", "finished")
+        if msg[0] == "exited":
+            results[rank] = msg[2]
+            return RankReport(rank, "exited", f"exited with code {msg[2]}")
+        if msg[0] == "raised":
+            return RankReport(rank, "raised", "raised " + msg[2], msg[3], msg[4])
+        return RankReport(rank, "interrupted", "was interrupted")
 
     def _stuck_reports(self, gen, pending, wait_s: float) -> dict[int, RankReport]:
         """Ask still-running ranks where they are (stack + collective in progress)."""

@@ -16,12 +16,13 @@ class SerializationError(ClusterError, TypeError):
 class RankReport:
     """What one rank was doing when a call ended badly.
 
-    state: "finished", "raised", "died", "running" or "interrupted".
+    state: "finished", "raised", "exited" (a script's non-zero exit code), "died", "running"
+    or "interrupted".
     """
 
     rank: int
     state: str
-    summary: str = ""  # one line, e.g. "ValueError: bad shape" or "waiting in all_reduce #17"
+    summary: str = ""  # one line, e.g. "raised ValueError: bad shape" or "waiting in the 3rd all_reduce of this call"
     traceback: str = ""  # the remote traceback ("raised") or Python stack ("running")
     exception: BaseException | None = field(default=None, repr=False)
 
@@ -46,7 +47,7 @@ class RankError(ClusterError):
 
     def __init__(self, reports: list[RankReport], restarted: bool):
         self.reports = {r.rank: r for r in reports}
-        self.failures = {r.rank: r for r in reports if r.state in ("raised", "died")}
+        self.failures = {r.rank: r for r in reports if r.state in ("raised", "exited", "died")}
         self.restarted = restarted
         bad = sorted(self.failures)
         title = f"{len(bad)} of {len(reports)} rank(s) failed: {', '.join(map(str, bad))}"

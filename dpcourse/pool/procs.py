@@ -14,7 +14,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 
 from .errors import ClusterError
@@ -41,11 +41,9 @@ class Generation:
     """One set of ranks: their PIDs and the kernel's ends of their sockets."""
 
     number: int
-    port: int
     pids: list[int]
     task: list[Connection]
     control: list[Connection]
-    exit_status: dict[int, int] = field(default_factory=dict)  # rank -> wait status
     ready: bool = False
 
     def close(self) -> None:
@@ -130,7 +128,7 @@ class LauncherProcess:
             theirs.close()
         kind, pids = self.recv(30)
         mine = [Connection(p[0].detach()) for p in pairs]
-        return Generation(number, spec["port"], pids, mine[0::2], mine[1::2])
+        return Generation(number, pids, mine[0::2], mine[1::2])
 
     def signal(self, pids: list[int], signum: int) -> None:
         self.send(("signal", signum, pids))
@@ -159,9 +157,75 @@ class LauncherProcess:
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing is bound to right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` different TCP ports on 127.0.0.1 that nothing is bound to right now."""
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
+    try:
+        for s in socks:  # all bound at once, so the ports differ
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+class MemoryWatch:
+    """Peak resident memory of the ranks, sampled by the kernel during calls (Linux only).
+
+    When a rank dies of SIGKILL that the pool did not send, the likeliest sender is Linux's
+    out-of-memory killer (ranks volunteer as its first choice); the peak says how likely.
+    """
+
+    SAMPLE_EVERY_S = 0.2
+    LIKELY_OOM_FRACTION = 0.10  # a peak above this share of physical memory: "likely out of memory"
+
+    def __init__(self):
+        self.peak: dict[int, int] = {}  # pid -> bytes (VmHWM, the kernel's high-water mark)
+        self._last = 0.0
+
+    def sample(self, pids) -> None:
+        now = time.monotonic()
+        if now - self._last < self.SAMPLE_EVERY_S:
+            return
+        self._last = now
+        for pid in pids:
+            hwm = _status_kib(pid, "VmHWM")
+            if hwm is not None:
+                self.peak[pid] = max(self.peak.get(pid, 0), hwm * 1024)
+
+    def kill_hint(self, pid: int, status: int | None) -> str:
+        """'' or, after SIGKILL, the rank's peak memory and whether that looks like an OOM kill."""
+        if status is None or not os.WIFSIGNALED(status) or os.WTERMSIG(status) != signal.SIGKILL:
+            return ""
+        peak = self.peak.get(pid)
+        if not peak:
+            return ""
+        total = _status_kib(None, "MemTotal", "/proc/meminfo")
+        text = f" with {_gib(peak)} resident at its peak"
+        if total and peak >= self.LIKELY_OOM_FRACTION * total * 1024:
+            text += (f" ({100 * peak / (total * 1024):.0f} % of this machine's {_gib(total * 1024)}): "
+                     "likely out of memory -- Linux's OOM killer sends SIGKILL, and ranks are its "
+                     "first choice; use a smaller model or batch, or fewer ranks")
+        return text
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.0f} MiB"
+
+
+def _status_kib(pid: int | None, field_name: str, path: str | None = None) -> int | None:
+    """A "Name:  123 kB" field of /proc/PID/status (or of ``path``), in KiB; None if unreadable."""
+    try:
+        with open(path or f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(field_name + ":"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def check_port(port: int) -> None:

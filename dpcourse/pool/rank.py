@@ -10,7 +10,6 @@ descriptors 1 and 2 -- Python prints, C++ warnings, progress bars -- to the kern
 from __future__ import annotations
 
 import codecs
-import datetime
 import faulthandler
 import fcntl
 import io
@@ -26,12 +25,14 @@ import time
 import traceback
 from multiprocessing.connection import Connection
 
+from ..backends import rank_device
 from . import wire
+from .group import PoolGroup, torchrun_env
 from .tracker import CollectiveTracker
 
-# The process group's own timeout. The pool enforces the learner's timeout itself and
-# kills stuck ranks; Gloo's default (30 min) would only get in the way.
-PG_TIMEOUT = datetime.timedelta(days=1)
+# Out-of-memory killer preference, -1000 (never) .. 1000 (first). A rank that allocates too
+# much should be the one Linux kills, not the learner's kernel or JupyterLab.
+OOM_SCORE_ADJ = 1000
 
 
 def set_death_signal(expected_parent: int) -> None:
@@ -115,10 +116,8 @@ class Rank:
     def setup(self) -> None:
         spec, rank = self.spec, self.rank
         os.environ.update(spec["env"])
-        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0",
-                          WORLD_SIZE=str(spec["world_size"]),
-                          LOCAL_WORLD_SIZE=str(spec["world_size"]),
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"]))
+        os.environ.update(torchrun_env(rank, spec["world_size"], spec["port"]))
+        prefer_oom_kill()
         try:
             os.chdir(spec["cwd"])
         except OSError:
@@ -134,17 +133,13 @@ class Rank:
         import torch.distributed as dist
 
         torch.set_num_threads(spec["num_threads"])
-        if spec["backend"] == "nccl":
-            torch.cuda.set_device(rank)
-            device_id = torch.device("cuda", rank)
-        else:
-            device_id = None
-        dist.init_process_group(spec["backend"], init_method="env://", rank=rank,
-                                world_size=spec["world_size"], timeout=PG_TIMEOUT,
-                                device_id=device_id)
+        self.group = PoolGroup(spec["backend"], rank, spec["world_size"])
+        self.group.init(spec["port"])
+        self.group.guard_init()
         self.tracker.install()
-        device = device_id if device_id is not None else torch.device("cpu")
-        self.namespace.update(torch=torch, dist=dist, rank=rank,
+        device = rank_device()
+        # __name__ == "__main__": a cell's `if __name__ == "__main__":` block runs, as in a script.
+        self.namespace.update(__name__="__main__", torch=torch, dist=dist, rank=rank,
                               world_size=spec["world_size"], device=device)
         threading.Thread(target=self._serve_control, name="dpcourse-control", daemon=True).start()
 
@@ -193,37 +188,48 @@ class Rank:
                                   f"could not send the result back: {type(err).__name__}: {err}",
                                   f"the value returned on rank {self.rank} cannot be pickled "
                                   f"({type(reply[2]).__name__}); return plain Python objects "
-                                  "or tensors instead.\n", None))
+                                  "or tensors instead.\n", None, reply[-1]))
             self.task.send_bytes(out)
 
     def execute(self, kind: str, run_id: int, payload: bytes):
+        """Run one call; the reply ends with whether the pool's process group is still intact."""
         try:
             sources, call = payload
             linecache.cache.update(sources)
             call = wire.loads(call)
+            self.tracker.reset()
             self.running = True
             try:
-                if kind == "cell":
-                    value = self._run_cell(*call)
-                else:
-                    fn, args, kwargs = call
-                    value = fn(*args, **kwargs)
+                value = self._dispatch(kind, call)
             finally:
                 self.running = False
-            return ("ok", run_id, value)
+            if kind == "script" and value != 0:
+                return ("exited", run_id, value, self.group.intact())
+            return ("ok", run_id, value, self.group.intact())
         except KeyboardInterrupt:
-            return ("interrupted", run_id)
+            return ("interrupted", run_id, self.group.intact())
         except BaseException as exc:  # noqa: BLE001 -- everything goes back to the kernel
-            tb = exc.__traceback__
-            while tb is not None and _is_pool_code(tb.tb_frame.f_code.co_filename):
-                tb = tb.tb_next  # the learner's code starts below the pool's frames
-            tb = "".join(traceback.format_exception(type(exc), exc, tb))
+            tb = _learner_traceback(exc)
             summary = traceback.format_exception_only(type(exc), exc)[-1].strip()
             try:
                 wire.dumps(exc)
             except Exception:
                 exc = None
-            return ("raised", run_id, summary, tb, exc)
+            return ("raised", run_id, summary, tb, exc, self.group.intact())
+
+    def _dispatch(self, kind: str, call):
+        if kind == "cell":
+            return self._run_cell(*call)
+        if kind == "script":
+            return self._run_script(*call)
+        if kind == "reinit":
+            import torch.distributed as dist
+
+            if dist.is_initialized():  # only some ranks lost it: start from a clean slate
+                dist.destroy_process_group()
+            return self.group.init(call)
+        fn, args, kwargs = call
+        return fn(*args, **kwargs)
 
     def _run_cell(self, source: str, filename: str):
         """Run a %%ranks cell; return the value of its last line if that is an expression."""
@@ -238,12 +244,64 @@ class Rank:
             return eval(compile(last, filename, "eval"), self.namespace)
         return None
 
+    def _run_script(self, path: str, source: str, argv: list, port: int, reinit_port: int) -> int:
+        """Run ``source`` as the ``__main__`` module ``path``, as torchrun would; its exit code."""
+        import types
+
+        code = compile(source, path, "exec")
+        main = types.ModuleType("__main__")  # what `python path` makes: pickle finds its classes
+        main.__file__, main.__builtins__ = path, __builtins__
+        saved_main, sys.modules["__main__"] = sys.modules["__main__"], main
+        try:
+            with self.group.script(path, argv, port, reinit_port):
+                exec(code, main.__dict__)
+        except SystemExit as exc:
+            return _exit_code(exc)
+        finally:
+            sys.modules["__main__"] = saved_main
+            self.output.drain()
+        return 0
+
+
+def _exit_code(exc: SystemExit) -> int:
+    """What the process's exit status would be for ``sys.exit(exc.code)``."""
+    if exc.code is None:
+        return 0
+    if isinstance(exc.code, int):
+        return exc.code
+    print(exc.code, file=sys.stderr)  # sys.exit("message") prints it and exits with 1
+    return 1
+
+
+def prefer_oom_kill() -> None:
+    """Ask Linux's out-of-memory killer to pick this rank before anything else (Linux only)."""
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write(str(OOM_SCORE_ADJ))
+    except OSError:
+        pass
+
 
 _POOL_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 def _is_pool_code(filename: str) -> bool:
     return filename.startswith(_POOL_DIR) or filename == "<string>"
+
+
+def _learner_traceback(exc: BaseException) -> str:
+    """The exception's traceback without the pool's frames (above and below the learner's)."""
+    te = traceback.TracebackException(type(exc), exc, exc.__traceback__)
+    seen, todo = set(), [te]
+    while todo:
+        t = todo.pop()
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        t.stack = traceback.StackSummary.from_list(
+            [f for f in t.stack if not _is_pool_code(f.filename)])
+        todo += [c for c in (t.__cause__, t.__context__) if c is not None]
+    return "".join(te.format())
 
 
 def _user_stack(stack: str) -> str:

@@ -15,10 +15,15 @@ import cloudpickle
 from .errors import SerializationError
 
 # Messages are tuples whose first item says what they are.
-# kernel -> rank (task socket):   ("call", run_id, payload) | ("cell", run_id, payload)
+# kernel -> rank (task socket):   (kind, run_id, payload), kind one of "call", "cell",
+#                                 "script" (run a file as torchrun would), "reinit" (join a new
+#                                 default process group on the port in the payload)
 # rank -> kernel (task socket):   ("ready", rank, pid) | ("init_error", rank, text)
-#                                 ("ok", run_id, value) | ("raised", run_id, summary, tb, exc)
-#                                 ("interrupted", run_id)
+#                                 ("ok", run_id, value, intact)
+#                                 ("exited", run_id, code, intact)   (a script's sys.exit(code != 0))
+#                                 ("raised", run_id, summary, tb, exc, intact)
+#                                 ("interrupted", run_id, intact)
+#                                 intact: whether the pool's default process group still exists
 # kernel -> rank (control socket): ("status",)
 # rank -> kernel (control socket): ("out", stream, text) | ("status", state_dict)
 

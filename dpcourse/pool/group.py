@@ -1,0 +1,118 @@
+"""The pool's process group on a rank: start it, keep it, and give way to torchrun-style scripts.
+
+Runs on the ranks. A rank starts with the pool's default group initialised, so notebook
+functions can call ``dist.all_reduce`` at once. Two kinds of learner code disagree with that:
+
+* torchrun-style scripts (``cluster.run_script``) call ``init_process_group`` and
+  ``destroy_process_group`` themselves. The rank steps aside: it destroys its group, runs
+  the script as ``__main__`` with torchrun's environment on a fresh port, then restores
+  its environment and initialises its own group again.
+* a function that calls ``init_process_group`` while the pool's group exists gets an error
+  that says what to do instead of PyTorch's "initialize the default process group twice";
+  one that destroys the group is reported to the kernel, which re-initialises it on every
+  rank before the next call.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import sys
+
+from ..backends import uses_cuda
+
+# The process group's own timeout. The pool enforces the learner's timeout itself and
+# kills stuck ranks; Gloo's default (30 min) would only get in the way.
+PG_TIMEOUT = datetime.timedelta(days=1)
+
+ALREADY_INITIALISED = (
+    "init_process_group() was called, but this rank already belongs to the cluster's "
+    "process group (backend {backend}, world size {world_size}): `dist` is ready to use. "
+    "Drop the init_process_group/destroy_process_group calls from code you run with "
+    "cluster.run or %%ranks -- or run torchrun-style code unchanged, as a script that "
+    "initialises its own group: cluster.run_script('train.py') or a %%ranks --script cell.")
+
+
+class PoolGroup:
+    """The rank's default process group, as the pool manages it."""
+
+    def __init__(self, backend: str, rank: int, world_size: int):
+        self.backend, self.rank, self.world_size = backend, rank, world_size
+        self.scripts_running = 0  # > 0 while a script owns init/destroy
+
+    def init(self, port: int) -> None:
+        """Join the pool's group (collective: every rank calls it with the same port)."""
+        import torch
+        import torch.distributed as dist
+
+        device_id = None
+        if uses_cuda(self.backend):
+            local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
+            torch.cuda.set_device(local_rank)
+            device_id = torch.device("cuda", local_rank)
+        os.environ["MASTER_PORT"] = str(port)
+        dist.init_process_group(self.backend, init_method="env://", rank=self.rank,
+                                world_size=self.world_size, timeout=PG_TIMEOUT,
+                                device_id=device_id)
+
+    def guard_init(self) -> None:
+        """Make ``init_process_group`` explain itself when the pool's group already exists."""
+        import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d
+
+        original = c10d.init_process_group
+        if getattr(original, "_dpcourse_guard", False):
+            return
+
+        def init_process_group(*args, **kwargs):
+            if self.scripts_running == 0 and dist.is_initialized():
+                raise RuntimeError(ALREADY_INITIALISED.format(
+                    backend=dist.get_backend(), world_size=dist.get_world_size()))
+            return original(*args, **kwargs)
+
+        init_process_group.__doc__ = original.__doc__
+        init_process_group._dpcourse_guard = True
+        c10d.init_process_group = dist.init_process_group = init_process_group
+
+    @staticmethod
+    def intact() -> bool:
+        import torch.distributed as dist
+
+        return dist.is_initialized()
+
+    @contextlib.contextmanager
+    def script(self, path: str, argv: list[str], port: int, reinit_port: int):
+        """Run the body as torchrun would run ``path``: no group, torchrun's variables, ``sys.argv``.
+
+        Afterwards the script's group (if it left one) is destroyed, the environment and
+        ``sys.argv`` are restored, and the pool's group is initialised on ``reinit_port``.
+        """
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        saved_env, saved_argv = dict(os.environ), sys.argv
+        os.environ.update(torchrun_env(self.rank, self.world_size, port))
+        sys.argv = [path, *argv]
+        self.scripts_running += 1
+        try:
+            yield
+        finally:
+            self.scripts_running -= 1
+            sys.argv = saved_argv
+            os.environ.clear()
+            os.environ.update(saved_env)
+            if dist.is_initialized():  # the script did not destroy its group
+                dist.destroy_process_group()
+            self.init(reinit_port)
+
+
+def torchrun_env(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """The variables ``torchrun --standalone --nproc_per_node=world_size`` gives each worker."""
+    n = str(world_size)
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
+            "ROLE_NAME": "default", "WORLD_SIZE": n, "LOCAL_WORLD_SIZE": n, "ROLE_WORLD_SIZE": n,
+            "GROUP_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "TORCHELASTIC_RUN_ID": f"dpcourse-{port}", "TORCHELASTIC_RESTART_COUNT": "0",
+            "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_USE_AGENT_STORE": "False",
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
