@@ -164,3 +164,22 @@ def test_kernel_end_leaves_no_process_behind(how):
         assert wait_gone(pids, 10) == []  # dead; their new parent reaps them
     finally:
         k.close()
+
+
+def test_ranks_script_cell_runs_torchrun_style_code(kernel):
+    result = _ok(kernel.execute(
+        "%%ranks --script --argv '--steps 2' -o codes\n"
+        "import sys, torch, torch.distributed as dist\n"
+        "def main():\n"
+        "    dist.init_process_group('gloo')\n"
+        "    t = torch.ones(1)\n"
+        "    dist.all_reduce(t)\n"
+        "    print('sum', int(t.item()), sys.argv[1:])\n"
+        "    dist.destroy_process_group()\n"
+        "if __name__ == '__main__':\n"
+        "    main()\n"))
+    assert "[rank 1] sum 2 ['--steps', '2']" in result["stdout"]
+    assert kernel.value("codes") == [0, 0]
+    assert kernel.value("cluster.run(lambda: dist.get_world_size())") == [2, 2]
+    result = kernel.execute("%%ranks --script\nimport os, sys\nsys.exit(int(os.environ['RANK']) * 4)\n")
+    assert result["error"][0] == "RankError" and "rank 1 exited with code 4" in result["error"][1]

@@ -54,7 +54,10 @@ class RanksMagics(Magics):
                                    "cluster = dpc.Cluster(world_size=2)")
         kwargs = {} if args.timeout is None else {"timeout": args.timeout}
         if args.script:
-            values = cluster.run_script_source(cell, *shlex.split(args.argv), **kwargs)
+            argv = args.argv
+            if len(argv) >= 2 and argv[0] == argv[-1] and argv[0] in "'\"":
+                argv = argv[1:-1]  # IPython's argument splitter keeps the quotes of --argv '...'
+            values = cluster.run_script_source(cell, *shlex.split(argv), **kwargs)
         else:
             values = cluster.run_cell(cell, **kwargs)
         if args.out:
