@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -22,13 +21,12 @@ import weakref
 
 from ..backends import BackendError, choose_backend
 from . import wire
-from .errors import ClusterError, RankDied, RankError, RankReport, RankTimeout
+from .call import Call
+from .errors import ClusterError
 from .output import RankPrinter
 from .procs import (Generation, LauncherProcess, MemoryWatch, check_port, describe_exit, free_ports,
                     readable)
 
-ERROR_GRACE_S = 0.25  # after the first failure, how long other ranks may take to report theirs
-INTERRUPT_GRACE_S = 1.0  # after the stop button, how long ranks may take to unwind
 _DEFAULT = object()
 _current: weakref.ref | None = None
 
@@ -289,7 +287,7 @@ class Cluster:
         status = self._launcher.exited.get(pid)
         return describe_exit(status) + f" (pid {pid})" + self._memory.kill_hint(pid, status)
 
-    # --- one call --------------------------------------------------------------------
+    # --- talking to the ranks (used by Call) --------------------------------------------
     def _poll(self, gen: Generation, pending: set[int], timeout: float):
         """Show rank output; yield (rank, message or None if the rank died) from pending ranks."""
         tasks = {gen.task[r]: r for r in pending}
@@ -331,106 +329,4 @@ class Cluster:
         sources = wire.notebook_sources(self._sent_sources)
         message = wire.dumps((kind, self._run_id, (sources, call)))
         self._sent_sources.update(sources)
-        gen = self._gen
-        results, reports = [None] * self.world_size, {}
-        pending = set(range(self.world_size))
-        try:
-            for conn in gen.task:
-                conn.send_bytes(message)
-            self._collect(gen, pending, results, reports, timeout)
-        except KeyboardInterrupt:
-            self._on_interrupt(gen, pending, reports)
-            raise
-        finally:
-            self._printer.flush()
-        return results
-
-    def _collect(self, gen, pending, results, reports, timeout) -> None:
-        __tracebackhide__ = True
-        start = time.monotonic()
-        first_failure = None
-        while pending:
-            now = time.monotonic()
-            if first_failure is not None and now - first_failure > ERROR_GRACE_S:
-                break
-            if timeout is not None and now - start > timeout:
-                self._fail(gen, pending, reports, RankTimeout, timeout)
-            self._memory.sample([gen.pids[r] for r in pending])
-            for rank, msg in self._poll(gen, pending, 0.05 if first_failure else 0.1):
-                pending.discard(rank)
-                reports[rank] = self._report(gen, rank, msg, results)
-                if reports[rank].state != "finished" and first_failure is None:
-                    first_failure = time.monotonic()
-        if first_failure is not None:
-            died = any(r.state == "died" for r in reports.values())
-            self._fail(gen, pending, reports, RankDied if died else RankError)
-
-    def _report(self, gen: Generation, rank: int, msg, results: list) -> RankReport:
-        """What a rank's reply (None: the rank died) says; notes a destroyed process group."""
-        if msg is None:
-            return RankReport(rank, "died", self._exit_text(gen, rank), self._crash_log(gen, rank))
-        if not msg[-1]:  # the last item of every reply: is the pool's process group intact?
-            self._group_lost.add(rank)
-        if msg[0] == "ok":
-            results[rank] = msg[2]
-            return RankReport(rank, "finished", "finished")
-        if msg[0] == "exited":
-            results[rank] = msg[2]
-            return RankReport(rank, "exited", f"exited with code {msg[2]}")
-        if msg[0] == "raised":
-            return RankReport(rank, "raised", "raised " + msg[2], msg[3], msg[4])
-        return RankReport(rank, "interrupted", "was interrupted")
-
-    def _stuck_reports(self, gen, pending, wait_s: float) -> dict[int, RankReport]:
-        """Ask still-running ranks where they are (stack + collective in progress)."""
-        for rank in pending:
-            try:
-                gen.control[rank].send(("status",))
-            except OSError:
-                pass
-        found, deadline = {}, time.monotonic() + wait_s
-        while len(found) < len(pending) and time.monotonic() < deadline:
-            for conn in readable([gen.control[r] for r in pending if r not in found], 0.05):
-                rank = gen.control.index(conn)
-                status = self._pump_control(gen, rank)
-                if status is not None:
-                    found[rank] = RankReport(rank, "running", status["collective"], status["stack"])
-        for rank in pending:
-            found.setdefault(rank, RankReport(rank, "running", "did not answer (blocked outside Python?)"))
-        return found
-
-    def _fail(self, gen, pending, reports, error, timeout=None):
-        __tracebackhide__ = True
-        restarted = bool(pending) or error is RankDied
-        if pending:
-            reports.update(self._stuck_reports(gen, pending, 1.0 if error is RankTimeout else 0.3))
-        self._printer.flush()
-        if restarted:
-            self._restart()
-        ordered = [reports[r] for r in sorted(reports)]
-        if error is RankTimeout:
-            raise RankTimeout(ordered, timeout)
-        for r in ordered:
-            if r.state == "running":
-                r.summary = f"was stopped while {r.summary}" if r.summary.startswith("waiting") else \
-                    "was stopped while running"
-                r.traceback = ""
-        raise error(ordered, restarted)
-
-    def _on_interrupt(self, gen, pending, reports) -> None:
-        """The stop button: interrupt the ranks' Python code; restart any that do not return."""
-        try:
-            where = self._stuck_reports(gen, pending, 0.3) if pending else {}
-            self._launcher.signal([gen.pids[r] for r in pending], signal.SIGINT)
-            deadline = time.monotonic() + INTERRUPT_GRACE_S
-            while pending and time.monotonic() < deadline:
-                for rank, _ in self._poll(gen, set(pending), 0.05):
-                    pending.discard(rank)
-            notes = [where[r].describe(with_trace=False) for r in sorted(where)]
-            if pending:
-                self._restart()
-                notes.append("the ranks were restarted")
-            print("dpcourse: interrupted: " + ("; ".join(notes) or "ranks stopped"), file=sys.stderr)
-        except BaseException:
-            self._restart()  # whatever happened, leave a usable pool behind
-            raise
+        return Call(self, timeout).run(message)

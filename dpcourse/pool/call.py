@@ -1,0 +1,137 @@
+"""One call on every rank: send it, gather the replies, and turn failures into the kernel's errors.
+
+``Call`` holds the state of one call (the generation it runs on, which ranks are pending,
+their results and reports) so the cluster's own code is about starting and keeping ranks.
+"""
+from __future__ import annotations
+
+import signal
+import sys
+import time
+
+from .errors import RankDied, RankError, RankReport, RankTimeout
+from .procs import readable
+
+ERROR_GRACE_S = 0.25  # after the first failure, how long other ranks may take to report theirs
+INTERRUPT_GRACE_S = 1.0  # after the stop button, how long ranks may take to unwind
+
+
+class Call:
+    """A message sent to every rank of ``cluster``'s current generation, and what came back."""
+
+    def __init__(self, cluster, timeout: float | None):
+        self.cluster, self.gen, self.timeout = cluster, cluster._gen, timeout
+        n = cluster.world_size
+        self.pending: set[int] = set(range(n))
+        self.results: list = [None] * n
+        self.reports: dict[int, RankReport] = {}
+        self.first_failure: float | None = None
+
+    def run(self, message: bytes) -> list:
+        """Send ``message`` to every rank; the results by rank, or RankError/RankDied/RankTimeout."""
+        __tracebackhide__ = True
+        try:
+            for conn in self.gen.task:
+                conn.send_bytes(message)
+            self._collect()
+        except KeyboardInterrupt:
+            self._on_interrupt()
+            raise
+        finally:
+            self.cluster._printer.flush()
+        return self.results
+
+    def _collect(self) -> None:
+        __tracebackhide__ = True
+        start = time.monotonic()
+        while self.pending:
+            now = time.monotonic()
+            if self.first_failure is not None and now - self.first_failure > ERROR_GRACE_S:
+                break
+            if self.timeout is not None and now - start > self.timeout:
+                self._fail(RankTimeout)
+            self.cluster._memory.sample([self.gen.pids[r] for r in self.pending])
+            wait_s = 0.05 if self.first_failure else 0.1
+            for rank, msg in self.cluster._poll(self.gen, self.pending, wait_s):
+                self.pending.discard(rank)
+                self.reports[rank] = self._report(rank, msg)
+                if self.reports[rank].state != "finished" and self.first_failure is None:
+                    self.first_failure = time.monotonic()
+        if self.first_failure is not None:
+            died = any(r.state == "died" for r in self.reports.values())
+            self._fail(RankDied if died else RankError)
+
+    def _report(self, rank: int, msg) -> RankReport:
+        """What a rank's reply (None: the rank died) says; notes a destroyed process group."""
+        cluster = self.cluster
+        if msg is None:
+            return RankReport(rank, "died", cluster._exit_text(self.gen, rank),
+                              cluster._crash_log(self.gen, rank))
+        if not msg[-1]:  # the last item of every reply: is the pool's process group intact?
+            cluster._group_lost.add(rank)
+        if msg[0] == "ok":
+            self.results[rank] = msg[2]
+            return RankReport(rank, "finished", "finished")
+        if msg[0] == "exited":
+            self.results[rank] = msg[2]
+            return RankReport(rank, "exited", f"exited with code {msg[2]}")
+        if msg[0] == "raised":
+            return RankReport(rank, "raised", "raised " + msg[2], msg[3], msg[4])
+        return RankReport(rank, "interrupted", "was interrupted")
+
+    def _stuck_reports(self, wait_s: float) -> dict[int, RankReport]:
+        """Ask still-running ranks where they are (stack + collective in progress)."""
+        gen, pending = self.gen, self.pending
+        for rank in pending:
+            try:
+                gen.control[rank].send(("status",))
+            except OSError:
+                pass
+        found, deadline = {}, time.monotonic() + wait_s
+        while len(found) < len(pending) and time.monotonic() < deadline:
+            for conn in readable([gen.control[r] for r in pending if r not in found], 0.05):
+                rank = gen.control.index(conn)
+                status = self.cluster._pump_control(gen, rank)
+                if status is not None:
+                    found[rank] = RankReport(rank, "running", status["collective"], status["stack"])
+        for rank in pending:
+            found.setdefault(rank, RankReport(rank, "running", "did not answer (blocked outside Python?)"))
+        return found
+
+    def _fail(self, error):
+        __tracebackhide__ = True
+        restarted = bool(self.pending) or error is RankDied
+        if self.pending:
+            self.reports.update(self._stuck_reports(1.0 if error is RankTimeout else 0.3))
+        self.cluster._printer.flush()
+        if restarted:
+            self.cluster._restart()
+        ordered = [self.reports[r] for r in sorted(self.reports)]
+        if error is RankTimeout:
+            raise RankTimeout(ordered, self.timeout)
+        for r in ordered:
+            if r.state == "running":
+                r.summary = f"was stopped while {r.summary}" if r.summary.startswith("waiting") else \
+                    "was stopped while running"
+                r.traceback = ""
+        raise error(ordered, restarted)
+
+    def _on_interrupt(self) -> None:
+        """The stop button: interrupt the ranks' Python code; restart any that do not return."""
+        cluster, gen, pending = self.cluster, self.gen, self.pending
+        try:
+            where = self._stuck_reports(0.3) if pending else {}
+            cluster._launcher.signal([gen.pids[r] for r in pending], signal.SIGINT)
+            deadline = time.monotonic() + INTERRUPT_GRACE_S
+            while pending and time.monotonic() < deadline:
+                for rank, _ in cluster._poll(gen, set(pending), 0.05):
+                    pending.discard(rank)
+            notes = [where[r].describe(with_trace=False) for r in sorted(where)]
+            if pending:
+                cluster._restart()
+                notes.append("the ranks were restarted")
+            print("dpcourse: interrupted: " + ("; ".join(notes) or "ranks stopped")
+                  + "; the cluster is ready.", file=sys.stderr)
+        except BaseException:
+            cluster._restart()  # whatever happened, leave a usable pool behind
+            raise
