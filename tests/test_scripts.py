@@ -1,0 +1,138 @@
+"""dpcourse/scripts under real torchrun: DDP and FSDP2 train exactly what one process trains
+on the global batch, and only rank 0 logs and saves."""
+from __future__ import annotations
+
+import ast
+import os
+import re
+import runpy
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import dpcourse.scripts as scripts
+from dpcourse.models import MLP
+
+pytestmark = pytest.mark.timeout(240)
+
+GLOBAL_BATCH = 32
+COMMON = ["--epochs", "2", "--num-samples", "128"]  # 4 steps per epoch at the global batch
+EPOCH_LINE = re.compile(r"^epoch (\d+): mean loss ([0-9.]+)$")
+
+
+def _run(args: list[str], timeout: float = 120) -> str:
+    """Run ``args`` in a new session; return its stdout. On timeout kill the whole session."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # our own child's session: torchrun and its ranks
+        proc.communicate()
+        pytest.fail(f"{args} ran past {timeout} s and was killed")
+    assert proc.returncode == 0, f"{args} exited with {proc.returncode}:\n{err[-3000:]}"
+    return out
+
+
+def _torchrun(name: str, nproc: int, out: Path, *argv: str) -> list[tuple[str, str]]:
+    """Run a script on ``nproc`` ranks; return its stdout lines as (torchrun prefix, text)."""
+    stdout = _run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc_per_node={nproc}", "--tee=3",  # --tee prefixes lines "[default<rank>]:"
+                   scripts.path(name), *COMMON, "--out", str(out), *argv])
+    return [tuple(line.split(":", 1)) for line in stdout.splitlines() if line.startswith("[default")]
+
+
+def _epoch_losses(lines: list[str]) -> list[float]:
+    return [float(m.group(2)) for m in map(EPOCH_LINE.match, lines) if m]
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    """train_single.py on the global batch: (final weights, logged epoch losses)."""
+    out = tmp_path_factory.mktemp("single") / "model.pt"
+    stdout = _run([sys.executable, scripts.path("train_single"), *COMMON,
+                   "--batch-size", str(GLOBAL_BATCH), "--out", str(out)])
+    return torch.load(out), _epoch_losses(stdout.splitlines())
+
+
+def _assert_same_training(lines, out: Path, single) -> None:
+    weights, losses = single
+    assert {prefix for prefix, _ in lines} == {"[default0]"}, f"a rank other than 0 printed: {lines}"
+    texts = [text for _, text in lines]
+    assert len(_epoch_losses(texts)) == 2 and f"saved {out}" in texts
+    # Printed with 6 decimals: equal up to the last printed digit.
+    torch.testing.assert_close(_epoch_losses(texts), losses, rtol=0, atol=1.5e-6)
+    saved = torch.load(out)
+    assert list(saved) == list(weights), "the checkpoint's keys differ from the plain model's"
+    for key in weights:
+        torch.testing.assert_close(saved[key], weights[key], rtol=0, atol=1e-6, msg=key)
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_ddp_equals_single_process_on_the_global_batch(tmp_path, single, nproc):
+    out = tmp_path / "ddp.pt"
+    lines = _torchrun("train_ddp", nproc, out, "--batch-size", str(GLOBAL_BATCH // nproc))
+    assert lines[0][1] == f"{nproc} ranks x {GLOBAL_BATCH // nproc} samples = global batch {GLOBAL_BATCH}"
+    _assert_same_training(lines, out, single)
+
+
+def test_fsdp_equals_single_process_on_the_global_batch(tmp_path, single):
+    out = tmp_path / "fsdp.pt"
+    lines = _torchrun("train_fsdp", 2, out, "--batch-size", str(GLOBAL_BATCH // 2))
+    _assert_same_training(lines, out, single)
+    assert {type(t) for t in torch.load(out).values()} == {torch.Tensor}  # full tensors, not DTensor shards
+
+
+def test_single_process_on_the_per_rank_batch_trains_something_else(tmp_path, single):
+    """The equality above is not automatic: the per-rank batch alone gives other weights."""
+    out = tmp_path / "small.pt"
+    main = runpy.run_path(scripts.path("train_single"))["main"]  # in this process: no start-up cost
+    main([*COMMON, "--batch-size", str(GLOBAL_BATCH // 2), "--out", str(out)])
+    diff = max((torch.load(out)[k] - w).abs().max().item() for k, w in single[0].items())
+    assert diff > 1e-3
+
+
+def _save_plain_fsdp2_state_dict(path: str) -> None:
+    """The mistake the notebook warns about: torch.save(model.state_dict()) of an FSDP2 model."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = MLP()
+    fully_shard(model)
+    state = model.state_dict()
+    if dist.get_rank() == 0:
+        torch.save(state, path)
+    dist.barrier()
+
+
+def test_plain_state_dict_of_fsdp2_holds_rank_0s_shards_only(cluster2, tmp_path):
+    """Why train_fsdp.py gathers with get_model_state_dict instead (4.2's saving advice)."""
+    from torch.distributed.tensor import DTensor
+
+    path = tmp_path / "plain.pt"
+    cluster2.run(_save_plain_fsdp2_state_dict, str(path), timeout=60)
+    saved = torch.load(path)
+    head = saved["head.weight"]  # (8, 64) in the model, split along dim 0 over 2 ranks
+    assert isinstance(head, DTensor) and tuple(head.to_local().shape) == (4, 64)
+    with pytest.raises(RuntimeError, match="mixed torch.Tensor and DTensor"):
+        MLP().load_state_dict(saved)
+
+
+def test_scripts_use_no_course_helper_but_the_model_and_data():
+    for name in scripts.NAMES:
+        tree = ast.parse(Path(scripts.path(name)).read_text())
+        imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        imported |= {a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
+        assert {m for m in imported if m.startswith("dpcourse")} == {"dpcourse.models"}, name
+
+
+def test_unknown_script_is_named():
+    with pytest.raises(ValueError, match="unknown script 'train_zero'.*train_ddp"):
+        scripts.path("train_zero")
