@@ -1,0 +1,197 @@
+"""Exercise A: turn the single-device ``train_single.py`` into DDP; the checker runs it under torchrun.
+
+It judges behaviour, not text: the script runs on 2 ranks under ``torchrun`` with the
+course's observer (``observe.py``), and next to it the reference solution with the same
+arguments. Any correct conversion passes.
+"""
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+
+import torch
+
+from .. import models, scripts
+from .observe import read_log
+from .report import Report
+from .torchrun import torchrun
+
+WORLD_SIZE = 2
+ARGS = ["--epochs", "2", "--batch-size", "16", "--num-samples", "128", "--out", "model.pt"]
+TOLERANCE = 1e-5  # max |difference| of final weights; float rounding is ~1e-7 here
+_reference_cache: dict[tuple, dict] = {}
+
+
+def check_a(path: str = "train_ddp.py", timeout: float = 180.0) -> Report:
+    """Run the learner's DDP script on 2 ranks under torchrun and say, item by item, what is right."""
+    report = Report("A")
+    starter = scripts.path("train_single")
+    if not os.path.exists(path):
+        report.attempted = False
+        report.note = f"Write {path!r} (start from a copy of train_single.py), then run this cell again."
+        return report
+    if _same_text(path, starter):
+        report.attempted = False
+        report.note = f"{path!r} is still train_single.py, unchanged: make it data-parallel."
+        return report
+    with tempfile.TemporaryDirectory(prefix="dpcourse-check-a-") as work:
+        run = torchrun(path, ARGS, work, WORLD_SIZE, timeout)
+        _judge(report, run, timeout)
+    return report
+
+
+def _judge(report: Report, run, timeout: float) -> None:
+    if run.timed_out:
+        report.add("runs to completion on 2 ranks", False,
+                   f"did not finish within {timeout:g} s and was stopped (no process left behind): "
+                   "a rank may wait in a collective the other never calls, e.g. a barrier or "
+                   "all_reduce inside `if rank == 0:`")
+    else:
+        report.add("runs to completion on 2 ranks", run.returncode == 0,
+                   "exit code 0" if run.returncode == 0 else
+                   f"torchrun exited with code {run.returncode}:\n{_error_excerpt(run.output, run.script)}")
+    logs = [read_log(run.observed, r) for r in range(WORLD_SIZE)]
+    _judge_sampling(report, logs)
+    _judge_logging_and_saving(report, run, logs)
+    weights = _judge_checkpoint(report, logs) if run.returncode == 0 else None
+    _judge_weights(report, weights)
+    report.add("destroys the process group on every rank",
+               all(log["destroyed"] for log in logs) if run.returncode == 0 else None,
+               ", ".join(f"rank {r} never called dist.destroy_process_group()"
+                         for r, log in enumerate(logs) if not log["destroyed"]))
+
+
+def _judge_sampling(report: Report, logs: list[dict]) -> None:
+    epochs = [log["epochs"] for log in logs]
+    if not all(epochs):
+        report.add("each epoch, the ranks read disjoint samples that cover the dataset", None,
+                   "no rank read from the course's dataset (is it built with make_dataset?)")
+        report.add("the order changes between epochs (set_epoch)", None)
+        return
+    n = int(ARGS[ARGS.index("--num-samples") + 1])
+    problems = []
+    for e in range(min(len(x) for x in epochs)):
+        seen = [set(x[e]) for x in epochs]
+        both = sorted(seen[0] & seen[1])
+        if both:
+            problems.append(f"rank 0 and rank 1 both read samples {_few(both)} in epoch {e} -- is "
+                            "the DataLoader using a DistributedSampler?")
+        elif len(seen[0] | seen[1]) < n:
+            problems.append(f"in epoch {e} the ranks together read {len(seen[0] | seen[1])} of "
+                            f"{n} samples")
+        if problems:
+            break
+    report.add("each epoch, the ranks read disjoint samples that cover the dataset", not problems,
+               problems[0] if problems else f"{len(epochs[0])} epochs, {len(epochs[0][0])} samples per rank each")
+    orders = epochs[0]
+    if problems:
+        report.add("the order changes between epochs (set_epoch)", None,
+                   "judged once the ranks read disjoint samples")
+    elif len(orders) < 2:
+        report.add("the order changes between epochs (set_epoch)", None, "fewer than 2 epochs were read")
+    else:
+        same = orders[0] == orders[1]
+        report.add("the order changes between epochs (set_epoch)", not same,
+                   "rank 0 read the same samples in the same order in epochs 0 and 1 -- call "
+                   "sampler.set_epoch(epoch) at the start of every epoch" if same else "")
+
+
+def _judge_logging_and_saving(report: Report, run, logs: list[dict]) -> None:
+    chatty = [r for r in range(1, WORLD_SIZE) if run.rank_stdout.get(r, "").strip()]
+    detail = ""
+    if chatty:
+        first = run.rank_stdout[chatty[0]].strip().splitlines()
+        detail = (f"rank {chatty[0]} printed {len(first)} line(s), e.g. {first[0][:80]!r} -- "
+                  "print on rank 0 only (`if dist.get_rank() == 0:`)")
+    report.add("only rank 0 logs", not chatty, detail)
+    savers = [r for r, log in enumerate(logs) if log["saves"]]
+    if savers == [0]:
+        report.add("only rank 0 writes the checkpoint", True)
+    elif not savers:
+        report.add("only rank 0 writes the checkpoint", False, "no rank called torch.save")
+    else:
+        others = [r for r in savers if r != 0]
+        report.add("only rank 0 writes the checkpoint", False,
+                   f"rank {others[0]} also called torch.save({os.path.basename(logs[others[0]]['saves'][0])!r}) "
+                   "-- the replicas are identical: save on rank 0 only" if others else
+                   "rank 0 did not save")
+
+
+def _judge_checkpoint(report: Report, logs: list[dict]):
+    name = "the checkpoint loads into the plain model (no 'module.' prefix)"
+    saves = logs[0]["saves"]
+    if not saves or not os.path.exists(saves[-1]):
+        report.add(name, None, "no checkpoint file from rank 0")
+        return None
+    state = torch.load(saves[-1], map_location="cpu")
+    if not isinstance(state, dict):
+        report.add(name, False, f"the checkpoint holds a {type(state).__name__}, not a state dict")
+        return None
+    wrapped = [k for k in state if k.startswith("module.")]
+    if wrapped:
+        report.add(name, False, f"its keys start with 'module.' (e.g. {wrapped[0]!r}): you saved the DDP "
+                   "wrapper -- save model.module.state_dict()")
+        return None
+    try:
+        models.MLP().load_state_dict(state)
+    except RuntimeError as err:
+        report.add(name, False, str(err).splitlines()[0])
+        return None
+    report.add(name, True)
+    return state
+
+
+def _judge_weights(report: Report, weights) -> None:
+    name = "final weights equal the reference solution's (same seed, 2 ranks)"
+    if weights is None:
+        report.add(name, None, "no loadable checkpoint to compare")
+        return
+    reference = reference_weights()
+    diff = max((weights[k] - reference[k]).abs().max().item() for k in reference)
+    report.add(name, diff <= TOLERANCE,
+               f"largest difference {diff:.1e}" + ("" if diff <= TOLERANCE else
+               " -- are gradients averaged (not summed)? is the learning rate unchanged? do "
+               "all ranks start from the same seed?"))
+
+
+def reference_weights(timeout: float = 180.0) -> dict:
+    """The reference solution's final weights for ``ARGS`` on 2 ranks (computed once per process)."""
+    key = (tuple(ARGS), WORLD_SIZE)
+    if key not in _reference_cache:
+        with tempfile.TemporaryDirectory(prefix="dpcourse-reference-a-") as work:
+            run = torchrun(scripts.path("train_ddp"), ARGS, work, WORLD_SIZE, timeout)
+            if run.returncode != 0:
+                raise RuntimeError(f"the reference solution failed:\n{_tail(run.output)}")
+            _reference_cache[key] = torch.load(os.path.join(work, "model.pt"), map_location="cpu")
+    return _reference_cache[key]
+
+
+def _same_text(a: str, b: str) -> bool:
+    with open(a, errors="replace") as f, open(b, errors="replace") as g:
+        return f.read().strip() == g.read().strip()
+
+
+def _few(values: list[int], k: int = 3) -> str:
+    shown = ", ".join(map(str, values[:k]))
+    return shown + (f" (and {len(values) - k} more)" if len(values) > k else "")
+
+
+def _error_excerpt(output: str, script: str) -> str:
+    """The learner's Python error from torchrun's output (torchrun's own summary says less)."""
+    lines = [re.sub(r"^\[(default)?rank\d+\]: ?", "", line) for line in output.splitlines()]
+    mine = [i for i, line in enumerate(lines) if f'File "{script}"' in line]
+    if not mine:
+        return _tail(output)
+    headers = [i for i in range(mine[0]) if lines[i].startswith("Traceback (most recent call last)")]
+    start = headers[-1] if headers else mine[0]  # a SyntaxError has no header
+    excerpt = []
+    for line in lines[start:]:
+        excerpt.append(line)
+        if line and not line.startswith((" ", "Traceback")):  # the exception line ends it
+            break
+    return "\n".join(excerpt[-12:])
+
+
+def _tail(text: str, lines: int = 8) -> str:
+    return "\n".join(text.strip().splitlines()[-lines:])

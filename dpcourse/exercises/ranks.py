@@ -1,0 +1,84 @@
+"""What the checkers that run learner code on ranks share: blanks, clusters, failures as data.
+
+* ``blanks_in(fn_or_class)``: how many ``...`` placeholders of a starter are still there.
+* ``clusters_for(cluster, world_sizes)``: the clusters a check needs, reusing the learner's.
+* ``run_or_failure(cluster, fn, ...)``: ``cluster.run``, with a rank's exception or a hang
+  returned as a ``RankFailure`` a checker can put in an item (the cluster stays usable).
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import types
+from dataclasses import dataclass
+
+from ..pool import Cluster, RankError, RankTimeout
+
+
+def _code_blanks(code: types.CodeType) -> int:
+    return sum(1 if c is Ellipsis else _code_blanks(c) if isinstance(c, types.CodeType) else 0
+               for c in code.co_consts)
+
+
+def blanks_in(obj) -> int:
+    """Number of ``...`` values in a function's code, or in the methods a class defines itself.
+
+    A starter writes its blanks as values (``send_c = ...``): Python keeps those in the
+    code's constants, so an untouched starter is recognised without running it. (A bare
+    ``...`` statement is compiled away and cannot be counted.)
+    """
+    if isinstance(obj, type):
+        return sum(blanks_in(v) for v in vars(obj).values()
+                   if inspect.isfunction(v) or isinstance(v, (staticmethod, classmethod)))
+    if isinstance(obj, (staticmethod, classmethod)):
+        obj = obj.__func__
+    code = getattr(obj, "__code__", None)
+    return _code_blanks(code) if code is not None else 0
+
+
+@contextlib.contextmanager
+def clusters_for(cluster, world_sizes):
+    """{world_size: Cluster} for ``world_sizes``: the given cluster(s) where their size fits,
+    fresh ones (shut down on exit) for the others."""
+    given = cluster if isinstance(cluster, (list, tuple)) else [cluster] if cluster is not None else []
+    clusters = {c.world_size: c for c in given}
+    started = []
+    try:
+        for n in world_sizes:
+            if n not in clusters:
+                clusters[n] = Cluster(world_size=n, timeout=60)
+                started.append(clusters[n])
+        yield clusters
+    finally:
+        for c in started:
+            c.shutdown()
+
+
+@dataclass
+class RankFailure:
+    """A call that did not return: ``kind`` "raised" or "hang"; ``summary``: one line per rank
+    that matters (what it raised, or where it waited)."""
+    kind: str
+    summary: str
+
+    def describe(self, timeout: float) -> str:
+        if self.kind == "hang":
+            return (f"the ranks did not finish within {timeout:g} s -- a rank waits for a message "
+                    f"that is never sent ({self.summary}); does every rank receive from the rank "
+                    "that sends to it, the same number of times?")
+        return self.summary
+
+
+def run_or_failure(cluster, fn, *args, timeout: float, **kwargs):
+    """``cluster.run(fn, *args, **kwargs)``'s results, or a ``RankFailure`` if a rank raised
+    or the call did not finish within ``timeout`` seconds."""
+    try:
+        return cluster.run(fn, *args, timeout=timeout, **kwargs)
+    except RankTimeout as err:
+        stuck = [r for r in err.reports.values() if r.state == "running"] or list(err.reports.values())
+        return RankFailure("hang", "; ".join(f"rank {r.rank} {r.summary}".strip() for r in stuck[:2]))
+    except RankError as err:
+        if not err.failures:
+            return RankFailure("raised", str(err).splitlines()[0])
+        first = err.failures[min(err.failures)]
+        return RankFailure("raised", f"rank {first.rank} {first.summary}")

@@ -1,0 +1,69 @@
+"""What a checker says: a verdict and, item by item, what passed, what failed and what it saw."""
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass, field
+
+MARKS = {"pass": "✓", "fail": "✗", "skip": "–"}
+
+
+@dataclass
+class Item:
+    """One thing the checker judged: ``status`` is "pass", "fail" or "skip" (could not be judged)."""
+
+    name: str
+    status: str
+    detail: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "pass"
+
+
+@dataclass(repr=False)
+class Report:
+    """A checker's verdict. ``attempted`` is False for an untouched starter (nothing is judged)."""
+
+    exercise: str
+    items: list[Item] = field(default_factory=list)
+    attempted: bool = True
+    note: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return self.attempted and bool(self.items) and all(i.passed for i in self.items)
+
+    def add(self, name: str, ok: bool | None, detail: str = "") -> Item:
+        """Record one item: ok True/False, or None when an earlier failure kept it from being judged."""
+        status = "skip" if ok is None else ("pass" if ok else "fail")
+        item = Item(name, status, detail)
+        self.items.append(item)
+        return item
+
+    def verdict(self) -> str:
+        if not self.attempted:
+            return f"Exercise {self.exercise}: not attempted yet. {self.note}".rstrip()
+        if self.passed:
+            return f"Exercise {self.exercise}: passed ({len(self.items)} of {len(self.items)} checks)."
+        failed = sum(1 for i in self.items if i.status == "fail")
+        return f"Exercise {self.exercise}: {failed} of {len(self.items)} checks failed."
+
+    def __str__(self) -> str:
+        lines = [self.verdict()]
+        for i in self.items:
+            lines.append(f"  {MARKS[i.status]} {i.name}" + (f": {i.detail}" if i.detail else ""))
+        if self.note and self.attempted:
+            lines.append(self.note)
+        return "\n".join(lines)
+
+    __repr__ = __str__  # what a notebook shows as text, and what a terminal prints
+
+    def _repr_html_(self) -> str:
+        colour = {"pass": "#1a7f37", "fail": "#cf222e", "skip": "#6e7781"}
+        rows = "".join(
+            f"<tr><td style='color:{colour[i.status]};font-weight:bold'>{MARKS[i.status]}</td>"
+            f"<td style='text-align:left'>{html.escape(i.name)}</td>"
+            f"<td style='text-align:left'>{html.escape(i.detail)}</td></tr>" for i in self.items)
+        table = f"<table>{rows}</table>" if rows else ""
+        note = f"<p>{html.escape(self.note)}</p>" if self.note and self.attempted else ""
+        return f"<p><b>{html.escape(self.verdict())}</b></p>{table}{note}"

@@ -1,0 +1,90 @@
+"""Run a learner's script under torchrun for a checker: observed, time-limited, nothing left behind."""
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+
+SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "site")
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@dataclass
+class Run:
+    """What one torchrun launch did: exit code (None: timed out), output, per-rank stdout."""
+
+    script: str
+    returncode: int | None
+    output: str
+    rank_stdout: dict[int, str]
+    workdir: str
+    observed: str
+
+    @property
+    def timed_out(self) -> bool:
+        return self.returncode is None
+
+
+def torchrun(script: str, args: list[str], workdir: str, nproc: int, timeout: float) -> Run:
+    """``torchrun --standalone --nproc_per_node=nproc script *args`` in ``workdir``, observed.
+
+    On a timeout the launch is stopped as a whole: torchrun first (it stops its workers,
+    which run in sessions of their own), then anything of it still alive.
+    """
+    observed = os.path.join(workdir, ".observed")
+    logs = os.path.join(workdir, ".logs")
+    os.makedirs(observed, exist_ok=True)
+    env = {**os.environ, "DPCOURSE_OBSERVE_DIR": observed, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([SITE, PACKAGE_ROOT] + [p for p in
+                                                             os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "--redirects", "1", "--log-dir", logs, os.path.abspath(script), *args]
+    proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        _stop(proc)
+        output, _ = proc.communicate()
+        code = None
+    stdout = {}
+    for rank in range(nproc):
+        files = glob.glob(os.path.join(logs, "**", str(rank), "stdout.log"), recursive=True)
+        stdout[rank] = "".join(open(f, errors="replace").read() for f in files)
+    return Run(os.path.abspath(script), code, output, stdout, workdir, observed)
+
+
+def _stop(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """Stop torchrun ``proc`` and every process it started (Linux: found through /proc)."""
+    family = _descendants(proc.pid)
+    proc.send_signal(signal.SIGTERM)  # torchrun's agent then terminates its workers
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    for pid in [proc.pid] + family:  # collected a moment ago: ours, not reused
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _descendants(root: int) -> list[int]:
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                pass
+    found, frontier = [], [root]
+    while frontier:
+        children = [pid for pid, ppid in parents.items() if ppid in frontier]
+        found += children
+        frontier = children
+    return found

@@ -1,0 +1,1 @@
+../../dpcourse/scripts/train_single.py

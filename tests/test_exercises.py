@@ -1,0 +1,143 @@
+"""Exercise checkers: the reference passes, an untouched starter is "not attempted", and each
+typical mistake fails with the item named. Every run is a real torchrun launch on 2 ranks."""
+from __future__ import annotations
+
+import shutil
+import textwrap
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+import dpcourse as dpc
+
+pytestmark = pytest.mark.timeout(600)
+
+ROOT = Path(__file__).resolve().parent.parent
+REFERENCE = Path(dpc.scripts.path("train_ddp")).read_text()
+
+# A DDP conversion written independently of the reference: no helper functions, the rank
+# from the environment, no barrier, a different log line. It must pass.
+INDEPENDENT = textwrap.dedent('''
+    import argparse, os
+    import torch, torch.distributed as dist, torch.nn.functional as F
+    from torch.utils.data import DataLoader, DistributedSampler
+    from dpcourse.models import MLP, make_dataset
+
+    p = argparse.ArgumentParser()
+    for name, kind, default in [("--epochs", int, 3), ("--batch-size", int, 32), ("--lr", float, 0.05),
+                                ("--num-samples", int, 256), ("--seed", int, 0), ("--out", str, "model.pt")]:
+        p.add_argument(name, type=kind, default=default)
+    args = p.parse_args()
+    dist.init_process_group(backend="gloo")
+    torch.manual_seed(args.seed)
+    net = MLP()
+    ddp = torch.nn.parallel.DistributedDataParallel(net)
+    opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
+    data = make_dataset("mlp", args.num_samples)
+    sampler = DistributedSampler(data, num_replicas=int(os.environ["WORLD_SIZE"]),
+                                 rank=int(os.environ["RANK"]), shuffle=True, seed=args.seed)
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)
+        for x, y in DataLoader(data, batch_size=args.batch_size, sampler=sampler):
+            opt.zero_grad()
+            F.mse_loss(ddp(x), y).backward()
+            opt.step()
+        if dist.get_rank() == 0:
+            print("done with epoch", epoch)
+    if dist.get_rank() == 0:
+        torch.save(net.state_dict(), args.out)
+    dist.destroy_process_group()
+''')
+
+# (mistake, edit of the reference, the item that must fail, words its detail must contain)
+MISTAKES = [
+    ("no DistributedSampler",
+     ("sampler = DistributedSampler(dataset, seed=args.seed)",
+      "sampler = torch.utils.data.RandomSampler(dataset, generator=torch.Generator().manual_seed(0))\n"
+      "    sampler.set_epoch = lambda epoch: None"),
+     "each epoch, the ranks read disjoint samples", "both read samples"),
+    ("no set_epoch",
+     ("        sampler.set_epoch(epoch)", "        pass"),
+     "the order changes between epochs", "set_epoch"),
+    ("every rank saves",
+     ("    if rank == 0:  # the replicas are identical, so one copy is enough", "    if True:"),
+     "only rank 0 writes the checkpoint", "rank 1 also called torch.save"),
+    ("saves the DDP wrapper",
+     ("torch.save(model.module.state_dict(), args.out)", "torch.save(model.state_dict(), args.out)"),
+     "the checkpoint loads into the plain model", "module.state_dict()"),
+    ("sums instead of averaging",
+     ("loss = F.mse_loss(model(x), y)", "loss = F.mse_loss(model(x), y, reduction=\"sum\")"),
+     "final weights equal the reference", "averaged"),
+    ("never destroys the group",
+     ("    dist.destroy_process_group()\n", "\n"),
+     "destroys the process group on every rank", "never called dist.destroy_process_group"),
+]
+
+
+def write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "train_ddp.py"
+    path.write_text(text)
+    return str(path)
+
+
+def item(report, name: str):
+    return next(i for i in report.items if i.name.startswith(name))
+
+
+def test_reference_and_an_independent_conversion_pass(tmp_path):
+    report = dpc.exercises.check_a(write(tmp_path, REFERENCE))
+    assert report.passed, str(report)
+    independent = dpc.exercises.check_a(write(tmp_path, INDEPENDENT))
+    assert independent.passed, str(independent)
+    assert "passed (8 of 8 checks)" in str(independent) and "<table>" in independent._repr_html_()
+
+
+def test_untouched_starter_is_not_attempted(tmp_path):
+    missing = dpc.exercises.check_a(str(tmp_path / "train_ddp.py"))
+    assert not missing.attempted and not missing.passed and "not attempted yet" in str(missing)
+    copy = tmp_path / "copy.py"
+    shutil.copy(dpc.scripts.path("train_single"), copy)
+    unchanged = dpc.exercises.check_a(str(copy))
+    assert not unchanged.attempted and "unchanged" in str(unchanged)
+
+
+@pytest.mark.parametrize("mistake, edit, failing, words", MISTAKES, ids=[m[0] for m in MISTAKES])
+def test_each_mistake_fails_with_its_item_named(tmp_path, mistake, edit, failing, words):
+    old, new = edit
+    assert old in REFERENCE, f"the reference changed; update the mistake {mistake!r}"
+    report = dpc.exercises.check_a(write(tmp_path, REFERENCE.replace(old, new)))
+    assert not report.passed
+    bad = item(report, failing)
+    assert bad.status == "fail" and words in bad.detail, str(report)
+    if mistake == "no DistributedSampler":  # what the learner reads: ranks, samples, the fix
+        assert bad.detail.startswith("rank 0 and rank 1 both read samples 0, 1, 2 (and ")
+        assert "in epoch 0 -- is the DataLoader using a DistributedSampler?" in bad.detail
+    others = [i.name for i in report.items if i.status == "fail" and i is not bad]
+    assert len(others) <= 1, f"{mistake}: more failed than expected: {others}\n{report}"
+
+
+def test_a_hanging_rank_times_out_cleanly(tmp_path):
+    hang = REFERENCE.replace("    dist.barrier()\n", "    if rank == 1:\n        import time; time.sleep(600)\n    dist.barrier()\n")
+    report = dpc.exercises.check_a(write(tmp_path, hang), timeout=40)
+    first = report.items[0]
+    assert first.status == "fail" and "did not finish within 40 s" in first.detail
+    # conftest's module fixture fails this module if torchrun or a worker is left behind
+
+
+def test_solution_is_the_reference_and_unknown_exercises_are_named():
+    assert dpc.exercises.solution("a") == REFERENCE
+    with pytest.raises(ValueError, match="choose one of"):
+        dpc.exercises.solution("Z")
+
+
+def test_exercise_notebook_with_the_solution_filled_in(tmp_path):
+    folder = tmp_path / "exercises"
+    shutil.copytree(ROOT / "notebooks" / "exercises", folder, symlinks=False)
+    (folder / "train_ddp.py").write_text(REFERENCE)
+    nb = nbformat.read(folder / "A-single-device-to-ddp.ipynb", as_version=4)
+    NotebookClient(nb, timeout=300, resources={"metadata": {"path": str(folder)}}).execute()
+    shown = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+             if "report" in c.source and o.get("output_type") == "execute_result"]
+    assert shown and "passed (8 of 8 checks)" in shown[0]["data"]["text/plain"]
