@@ -3,11 +3,13 @@
     report = dpc.exercises.check_a("train_ddp.py")   # runs it on 2 ranks under torchrun
     report.passed, report.items                        # shown as a table in Jupyter
     dpc.exercises.solution("A")                        # the reference solution, on request
+    dpc.exercises.check_answer("4.1", 3, {...})        # the chapters' self-check questions
 """
 from __future__ import annotations
 
 from .exercise_a import check_a
 from .report import Item, Report
+from .selfcheck import check_answer
 
 SOLUTIONS = {"A": "train_ddp"}
 
@@ -23,4 +25,4 @@ def solution(exercise: str) -> str:
         return f.read()
 
 
-__all__ = ["Item", "Report", "check_a", "solution"]
+__all__ = ["Item", "Report", "check_a", "check_answer", "solution"]

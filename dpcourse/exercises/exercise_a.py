@@ -25,7 +25,7 @@ _reference_cache: dict[tuple, dict] = {}
 
 def check_a(path: str = "train_ddp.py", timeout: float = 180.0) -> Report:
     """Run the learner's DDP script on 2 ranks under torchrun and say, item by item, what is right."""
-    report = Report("A")
+    report = Report("Exercise A")
     starter = scripts.path("train_single")
     if not os.path.exists(path):
         report.attempted = False

@@ -22,9 +22,11 @@ class Item:
 
 @dataclass(repr=False)
 class Report:
-    """A checker's verdict. ``attempted`` is False for an untouched starter (nothing is judged)."""
+    """A checker's verdict. ``attempted`` is False for an untouched starter (nothing is judged).
 
-    exercise: str
+    title: what was checked, e.g. "Exercise A" or "Self-check 4.1, question 3"."""
+
+    title: str
     items: list[Item] = field(default_factory=list)
     attempted: bool = True
     note: str = ""
@@ -42,11 +44,11 @@ class Report:
 
     def verdict(self) -> str:
         if not self.attempted:
-            return f"Exercise {self.exercise}: not attempted yet. {self.note}".rstrip()
+            return f"{self.title}: not attempted yet. {self.note}".rstrip()
         if self.passed:
-            return f"Exercise {self.exercise}: passed ({len(self.items)} of {len(self.items)} checks)."
+            return f"{self.title}: passed ({len(self.items)} of {len(self.items)} checks)."
         failed = sum(1 for i in self.items if i.status == "fail")
-        return f"Exercise {self.exercise}: {failed} of {len(self.items)} checks failed."
+        return f"{self.title}: {failed} of {len(self.items)} checks failed."
 
     def __str__(self) -> str:
         lines = [self.verdict()]
