@@ -259,3 +259,22 @@ def test_killing_the_launcher_takes_the_ranks_with_it_and_says_so():
     with pytest.raises(dpc.ClusterError, match="launcher process ended.*create a new Cluster"):
         cluster.run(lambda: None)
     cluster.shutdown()
+
+
+def test_counting_collectives_keeps_no_tensor_alive(cluster2):
+    """The hang diagnosis notes every collective; it must not hold the tensors they used
+    (a memory measurement after a freed FSDP gradient would count it)."""
+    def freed():
+        import gc
+        import weakref
+
+        t = torch.ones(1000)
+        dist.all_reduce(t)
+        u = torch.ones(10)
+        dist.all_reduce(u, async_op=True).wait()
+        refs = [weakref.ref(t), weakref.ref(u)]
+        del t, u
+        gc.collect()
+        return [r() is None for r in refs]
+
+    assert cluster2.run(freed) == [[True, True]] * 2

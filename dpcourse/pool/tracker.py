@@ -10,7 +10,7 @@ would see them all and made a small training step ~3x slower here).
 A collective is *issued* when its operator returns and *in progress* until its ``Work``
 completes: Gloo and NCCL run collectives in the background, and a rank blocks later, in
 ``wait()``. So "waiting in" names the oldest collective issued in this call whose work has
-not completed. Counts start again at every call.
+not completed (the work's future says when). Counts start again at every call.
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ class CollectiveTracker:
         """Start counting afresh (the pool calls this at the start of every call)."""
         with self._lock:
             self.counts: dict[str, int] = {}
-            self.issued: list[tuple[str, int, float, object]] = []  # (name, n, start, work)
+            self.issued: list[list] = []  # [name, number, start, completed]
             self.entering: tuple[str, int, float] | None = None
 
     def install(self) -> None:
@@ -95,10 +95,14 @@ class CollectiveTracker:
         return tracked
 
     def _issued(self, collective: str, number: int, start: float, work) -> None:
+        # Only a completion flag is kept, set by the work's future: holding the Work itself
+        # would keep its tensors alive (FSDP's freed gradients, say) for the rest of the call.
+        entry = [collective, number, start, False]
         with self._lock:
-            self.issued.append((collective, number, start, work))
+            self.issued.append(entry)
             if len(self.issued) > _KEEP:
-                self.issued = [c for c in self.issued if not _completed(c[3])][-_KEEP:] or self.issued[-1:]
+                self.issued = [e for e in self.issued if not e[3]][-_KEEP:] or self.issued[-1:]
+        _when_complete(work, lambda _future: entry.__setitem__(3, True))
 
     def describe(self) -> str:
         """One line: the collective this rank waits in, or the last one it issued."""
@@ -107,7 +111,7 @@ class CollectiveTracker:
         now = time.monotonic()
         waiting = entering
         if waiting is None:
-            waiting = next((c[:3] for c in issued if not _completed(c[3])), None)
+            waiting = next((tuple(c[:3]) for c in issued if not c[3]), None)
         if waiting is not None:
             name, number, start = waiting
             return f"waiting in the {ordinal(number)} {name} of this call for {now - start:.1f} s"
@@ -117,12 +121,13 @@ class CollectiveTracker:
         return "not in a collective; none issued in this call"
 
 
-def _completed(work) -> bool:
+def _when_complete(work, callback) -> None:
+    """Call ``callback`` once ``work`` has completed (at once if it has, or cannot say)."""
     try:
         import torch.distributed as dist
 
         if not isinstance(work, dist.Work):  # the dispatcher hands over a boxed (script) Work
             work = dist.Work.unbox(work)
-        return bool(work.is_completed())
-    except Exception:  # not a Work (an operator without one), or a finished/aborted group
-        return True
+        work.get_future().add_done_callback(callback)
+    except Exception:  # not a Work (an operator without one), or a backend without futures
+        callback(None)
