@@ -15,7 +15,7 @@ def test_collectives_benchmark_prints_a_table_bytes_and_the_target():
                           "--sizes-mib", "0.25", "16", "--rounds", "3"],
                          capture_output=True, text=True, timeout=200, check=True).stdout
     rows = [line.split() for line in out.splitlines() if re.match(r"2 +[\d.]+ MiB", line)]
-    assert len(rows) == 2 * 4, out  # two sizes, four variants
+    assert len(rows) == 2 * 5, out  # two sizes, five variants
     for row in rows:
         n, size, _, name, ms, algbw, busbw, ratio, wire, traced, formula = row
         assert float(ms) > 0 and float(busbw) == pytest.approx(float(algbw), abs=0.011)  # N=2
@@ -24,11 +24,15 @@ def test_collectives_benchmark_prints_a_table_bytes_and_the_target():
             assert traced == formula, row  # our trace
         if name == "dist.all_reduce":
             assert ratio == "1.00x"
-    ring_16 = next(r for r in rows if r[1] == "16" and r[3] == "ring_all_reduce")
-    target = re.search(r"target: .*: (ok|MISSED) \(lowest ([\d.]+)x, N=2, 16 MiB; "
+    assert {r[3] for r in rows} >= {"fast_ring_all_reduce", "ring_all_reduce"}  # both rings
+    ring_16 = next(r for r in rows if r[1] == "16" and r[3] == "fast_ring_all_reduce")
+    target = re.search(r"target: fast_ring_all_reduce .*: (ok|MISSED) \(lowest ([\d.]+)x, N=2, 16 MiB; "
                        r"round-by-round quartiles ([\d.]+)-([\d.]+)x\)", out)
     assert target, out
     assert ring_16[7] == f"{target.group(2)}x"
     assert float(target.group(3)) <= float(target.group(2)) <= float(target.group(4))
     assert (target.group(1) == "ok") == (float(target.group(2)) >= 0.8)
+    plain_16 = next(r for r in rows if r[1] == "16" and r[3] == "ring_all_reduce")
+    plain = re.search(r"ring_all_reduce, the plain ring .*\(no target\): lowest ([\d.]+)x", out)
+    assert plain and plain_16[7] == f"{plain.group(1)}x", out
     assert re.search(r"N=2: the size check before each ring call.*: [\d.]+ ms per call", out)

@@ -1,6 +1,11 @@
-"""Our collectives on real ranks (N = 1..5) against PyTorch's, their traces, and misuse."""
+"""Our collectives on real ranks (N = 1..5) against PyTorch's, their traces, and misuse.
+
+Both rings run every check: the plain one of ``ring.py`` (the one the course shows) and the
+pipelined one of ``fast_ring.py`` (the benchmark's)."""
 from __future__ import annotations
 
+import ast
+import inspect
 import time
 
 import pytest
@@ -8,13 +13,18 @@ import torch
 import torch.distributed as dist
 
 import dpcourse as dpc
-from dpcourse.collectives import (Trace, bytes_sent_per_rank, chunk_bounds, naive_all_reduce,
-                                  num_steps, ring_all_gather, ring_all_reduce, ring_reduce_scatter,
-                                  simulate, whole_ring_all_reduce)
+from dpcourse.collectives import (Trace, bytes_sent_per_rank, chunk_bounds, fast_ring,
+                                  fast_ring_all_gather, fast_ring_all_reduce,
+                                  fast_ring_reduce_scatter, naive_all_reduce, num_steps, ring,
+                                  ring_all_gather, ring_all_reduce, ring_reduce_scatter, simulate,
+                                  whole_ring_all_reduce)
 
 pytestmark = pytest.mark.timeout(180)
 NUMELS = (0, 1, 2, 3, 7, 100, 1001)
 DTYPES = (torch.float32, torch.float64, torch.int64, torch.int32)
+# (all_reduce, reduce_scatter, all_gather) of each ring
+RINGS = {"plain": (ring_all_reduce, ring_reduce_scatter, ring_all_gather),
+         "fast": (fast_ring_all_reduce, fast_ring_reduce_scatter, fast_ring_all_gather)}
 
 
 @pytest.fixture(scope="module", params=[1, 2, 3, 4, 5], ids=lambda n: f"N{n}")
@@ -28,16 +38,20 @@ def _input(rank, numel, dtype, seed=0):
     return torch.randint(-1000, 1000, (numel,), generator=g).to(dtype)  # integer-valued
 
 
-def _compare_with_pytorch():
-    """On every rank: each of our collectives vs PyTorch's on the same data, bitwise."""
+def _compare_with_pytorch(which):
+    """On every rank: each of our collectives vs PyTorch's on the same data, bitwise
+    (``which`` ring; the plain run also checks the naive all-reduces)."""
     rank, n = dist.get_rank(), dist.get_world_size()
+    ring_all_reduce, ring_reduce_scatter, ring_all_gather = RINGS[which]
+    all_reduces = (ring_all_reduce,) + ((naive_all_reduce, whole_ring_all_reduce)
+                                        if which == "plain" else ())
     bad = []
     for numel in NUMELS + (n - 1,):
         for dtype in DTYPES:
             x = _input(rank, numel, dtype)
             want = x.clone()
             dist.all_reduce(want)
-            for fn in (ring_all_reduce, naive_all_reduce, whole_ring_all_reduce):
+            for fn in all_reduces:
                 got = x.clone()
                 fn(got)
                 if not torch.equal(got, want):
@@ -71,17 +85,20 @@ def _compare_with_pytorch():
     return bad
 
 
-def test_every_variant_equals_pytorch_bitwise(cluster):
-    assert cluster.run(_compare_with_pytorch) == [[]] * cluster.world_size
+@pytest.mark.parametrize("which", RINGS)
+def test_every_variant_equals_pytorch_bitwise(cluster, which):
+    assert cluster.run(_compare_with_pytorch, which) == [[]] * cluster.world_size
 
 
-def _compare_in_small_segments(segment_bytes):
-    """Like _compare_with_pytorch, with segments of a few bytes, so that every chunk travels
-    in several segments (up to MAX_SEGMENTS, and neighbouring chunks in different numbers)
-    and the receives posted steps ahead, with their reused slots, are all exercised."""
-    from dpcourse.collectives import ring
+def _compare_in_small_segments(which, segment_bytes):
+    """Like _compare_with_pytorch, on more sizes, with a trace. For the fast ring, with
+    segments of a few bytes, so that every chunk travels in several segments (up to
+    MAX_SEGMENTS, and neighbouring chunks in different numbers) and the receives posted steps
+    ahead, with their reused slots, are all exercised. (The plain ring has no segments.)"""
     rank, n = dist.get_rank(), dist.get_world_size()
-    saved, ring.SEGMENT_BYTES = ring.SEGMENT_BYTES, segment_bytes
+    ring_all_reduce, ring_reduce_scatter, ring_all_gather = RINGS[which]
+    saved = fast_ring.SEGMENT_BYTES
+    fast_ring.SEGMENT_BYTES = segment_bytes or saved
     bad = []
     try:
         for numel in (5, 7, 29, 64, 257, 1001):
@@ -111,31 +128,34 @@ def _compare_in_small_segments(segment_bytes):
             if not torch.allclose(got_avg, want_avg, rtol=1e-6, atol=1e-6):
                 bad.append(f"avg numel={numel}")
     finally:
-        ring.SEGMENT_BYTES = saved
+        fast_ring.SEGMENT_BYTES = saved
     return bad
 
 
-@pytest.mark.parametrize("segment_bytes", [8, 24, 200])
-def test_many_segments_per_chunk_equal_pytorch(cluster, segment_bytes):
-    assert cluster.run(_compare_in_small_segments, segment_bytes) == [[]] * cluster.world_size
+@pytest.mark.parametrize("which, segment_bytes",
+                         [("plain", None), ("fast", 8), ("fast", 24), ("fast", 200)])
+def test_many_segments_per_chunk_equal_pytorch(cluster, which, segment_bytes):
+    out = cluster.run(_compare_in_small_segments, which, segment_bytes)
+    assert out == [[]] * cluster.world_size
 
 
-def _traced(algorithm, numel):
-    fns = {"ring_all_reduce": ring_all_reduce, "ring_reduce_scatter": ring_reduce_scatter,
-           "ring_all_gather": ring_all_gather, "naive_all_reduce": naive_all_reduce,
-           "whole_ring_all_reduce": whole_ring_all_reduce}
+def _traced(which, algorithm, numel):
+    fns = dict(zip(("ring_all_reduce", "ring_reduce_scatter", "ring_all_gather"), RINGS[which]))
+    fns.update(naive_all_reduce=naive_all_reduce, whole_ring_all_reduce=whole_ring_all_reduce)
     trace = Trace(record_values=True)
     fns[algorithm](_input(dist.get_rank(), numel, torch.int64, seed=1), trace=trace)
     return trace
 
 
+@pytest.mark.parametrize("which", RINGS)
 @pytest.mark.parametrize("numel", [0, 2, 13, 3000])
-def test_traces_equal_simulator_and_formulas(cluster, numel):
+def test_traces_equal_simulator_and_formulas(cluster, numel, which):
     n = cluster.world_size
     inputs = [_input(r, numel, torch.int64, seed=1) for r in range(n)]
-    for algorithm in ("ring_all_reduce", "ring_reduce_scatter", "ring_all_gather",
-                      "naive_all_reduce", "whole_ring_all_reduce"):
-        trace = Trace.merge(cluster.run(_traced, algorithm, numel))
+    algorithms = ["ring_all_reduce", "ring_reduce_scatter", "ring_all_gather"]
+    for algorithm in algorithms + (["naive_all_reduce", "whole_ring_all_reduce"]
+                                   if which == "plain" else []):
+        trace = Trace.merge(cluster.run(_traced, which, algorithm, numel))
         sim = simulate(algorithm, n, numel, 8, inputs)
         assert trace.transfers == sim.transfers, algorithm  # step, src, dst, chunk, bytes
         assert all(torch.equal(a.values, b.values) for a, b in zip(trace.transfers, sim.transfers))
@@ -152,23 +172,27 @@ def test_traced_run_ends_equal_to_dist_all_reduce(cluster):
     run = dpc.collectives.trace_all_reduce(cluster, numel=10)
     assert all(torch.equal(v, ref) for v, ref in zip(run.trace.frames()[-1].values, run.reference))
     assert sum(run.trace.bytes_sent()) == 2 * (cluster.world_size - 1) * 10 * 8
+    # the ranks ran the plain ring, the function the course prints
+    assert run.function == "dpcourse.collectives.ring.ring_all_reduce"
+    assert dpc.collectives.traced.qualified_name(dpc.collectives.ring_all_reduce) == run.function
 
 
-def _mismatched(kind):
+def _mismatched(which, kind):
     rank = dist.get_rank()
     numel = 10 + (rank == 1) if kind == "numel" else 10
     dtype = torch.int64 if kind == "dtype" and rank == 1 else torch.float32
-    ring_all_reduce(torch.ones(numel, dtype=dtype))
+    RINGS[which][0](torch.ones(numel, dtype=dtype))
 
 
+@pytest.mark.parametrize("which", RINGS)
 @pytest.mark.parametrize("kind", ["numel", "dtype"])
-def test_mismatched_tensors_raise_on_every_rank_instead_of_hanging(cluster, kind):
+def test_mismatched_tensors_raise_on_every_rank_instead_of_hanging(cluster, kind, which):
     n = cluster.world_size
     if n == 1:
         pytest.skip("needs two ranks")
     start = time.monotonic()
     with pytest.raises(dpc.RankError) as info:
-        cluster.run(_mismatched, kind, timeout=20)
+        cluster.run(_mismatched, which, kind, timeout=20)
     assert time.monotonic() - start < 10
     assert set(info.value.failures) == set(range(n))
     message = str(info.value.failures[0].exception)
@@ -180,7 +204,8 @@ def test_mismatched_tensors_raise_on_every_rank_instead_of_hanging(cluster, kind
     assert "same number of elements and dtype on every rank" in message
 
 
-def _bad_arguments():
+def _bad_arguments(which):
+    ring_all_reduce = RINGS[which][0]
     errors = []
     for call in (lambda: ring_all_reduce(torch.ones(4), op="max"),
                  lambda: ring_all_reduce(torch.ones(4, dtype=torch.int64), op="avg"),
@@ -194,15 +219,16 @@ def _bad_arguments():
     return errors
 
 
-def test_bad_arguments_are_named(cluster):
-    op, avg_int, strided, root = cluster.run(_bad_arguments)[0]
-    assert "op='sum' or op='avg'" in op and "'max'" in op
+@pytest.mark.parametrize("which", RINGS)
+def test_bad_arguments_are_named(cluster, which):
+    op, avg_int, strided, root = cluster.run(_bad_arguments, which)[0]
+    assert f"{RINGS[which][0].__name__} supports op='sum' or op='avg'" in op and "'max'" in op
     assert "needs a floating-point tensor" in avg_int
     assert "contiguous" in strided
     assert "root must be a rank" in root
 
 
-def _in_subgroup():
+def _in_subgroup(which):
     rank, n = dist.get_rank(), dist.get_world_size()
     group = dist.new_group(list(range(0, n, 2)))  # every rank must call new_group
     if rank % 2:
@@ -211,15 +237,16 @@ def _in_subgroup():
     want = x.clone()
     dist.all_reduce(want, group=group)
     trace = Trace()
-    ring_all_reduce(x, group=group, trace=trace)
+    RINGS[which][0](x, group=group, trace=trace)
     return torch.equal(x, want), trace.world_size
 
 
-def test_ring_on_a_subgroup(cluster):
+@pytest.mark.parametrize("which", RINGS)
+def test_ring_on_a_subgroup(cluster, which):
     n = cluster.world_size
     if n < 3:
         pytest.skip("needs a proper subgroup of two or more ranks")
-    out = cluster.run(_in_subgroup)
+    out = cluster.run(_in_subgroup, which)
     assert out[0::2] == [(True, len(range(0, n, 2)))] * len(range(0, n, 2))
 
 
@@ -236,3 +263,34 @@ def _subgroup_records():
 def test_meter_counts_a_subgroup_collective_with_the_subgroup_size(cluster4):
     # 8 floats all-reduced among 2 ranks: each sends 2(2-1)/2 * 32 bytes, not 2(4-1)/4 * 32.
     assert cluster4.run(_subgroup_records) == [[("all_reduce", 2, 32)]] * 4
+
+
+# --- the teaching ring stays plain: what the course prints fits one screen ------------------
+PRINTED = (ring.ring_all_reduce, ring.reduce_scatter_phase, ring.all_gather_phase)
+
+
+def _calls(node) -> list[str]:
+    """Dotted names of the functions called inside ``node``, e.g. "dist.isend"."""
+    return [ast.unparse(c.func) for c in ast.walk(node) if isinstance(c, ast.Call)]
+
+
+def test_the_printed_ring_fits_one_screen():
+    lines = {fn.__name__: len(inspect.getsource(fn).splitlines()) for fn in PRINTED}
+    assert all(n <= 40 for n in lines.values()), lines
+    assert sum(lines.values()) <= 60, lines  # all three printed together: one screen
+    assert "reduce_scatter_phase" in _calls(ast.parse(inspect.getsource(ring.ring_all_reduce)))
+    assert "all_gather_phase" in _calls(ast.parse(inspect.getsource(ring.ring_all_reduce)))
+
+
+@pytest.mark.parametrize("phase, schedule",
+                         [(ring.reduce_scatter_phase, "ring_reduce_scatter_steps"),
+                          (ring.all_gather_phase, "ring_all_gather_steps")])
+def test_each_ring_step_is_one_send_one_receive_and_a_wait(phase, schedule):
+    tree = ast.parse(inspect.getsource(phase))
+    loops = [node for node in ast.walk(tree) if isinstance(node, (ast.For, ast.While))]
+    assert len(loops) == 1, "one loop: one iteration per step of the schedule"
+    assert _calls(loops[0].iter)[0] == schedule  # the simulator's schedule, walked as it is
+    calls = _calls(loops[0])
+    assert calls.count("dist.isend") == 1 and calls.count("dist.irecv") == 1
+    assert calls.count("send.wait") == calls.count("recv.wait") == 1
+    assert not any(name.startswith(("time.", "torch.cuda")) for name in calls)  # no timing

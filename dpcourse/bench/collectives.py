@@ -11,7 +11,9 @@ in the same round, so a drift in the machine's speed cancels), median over round
 verdict line adds the quartiles. Then, per rank: bytes sent on the wire (``/proc/self/io``),
 from our trace, and the formula (``cost.bytes_sent_per_rank``; for dist.all_reduce the
 bandwidth-optimal 2(N-1)/N*S), and what the ring's size check costs per call.
-The target: our ring's busbw >= 0.8x dist.all_reduce's at >= 16 MiB.
+Two rings of ours: ``fast_ring_all_reduce`` (pipelined, ``collectives/fast_ring.py``) and the
+plain ``ring_all_reduce`` the course shows (``collectives/ring.py``; no target).
+The target: the fast ring's busbw >= 0.8x dist.all_reduce's at >= 16 MiB.
 """
 from __future__ import annotations
 
@@ -22,15 +24,20 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..collectives import (Trace, busbw, bytes_sent_per_rank, measure_bytes_sent,
-                           naive_all_reduce, ring_all_reduce, whole_ring_all_reduce)
+from ..collectives import (Trace, busbw, bytes_sent_per_rank, fast_ring_all_reduce,
+                           measure_bytes_sent, naive_all_reduce, ring_all_reduce,
+                           whole_ring_all_reduce)
 from ..collectives.checks import check_same_size
 from ..pool import Cluster
 
-HELP = "all-reduce: dist.all_reduce vs our ring vs naive variants (time, algbw, busbw, bytes)"
-VARIANTS = {"dist.all_reduce": dist.all_reduce, "ring_all_reduce": ring_all_reduce,
-            "naive_all_reduce": naive_all_reduce, "whole_ring_all_reduce": whole_ring_all_reduce}
-TARGET = 0.8  # our ring's busbw relative to dist.all_reduce's, at >= 16 MiB
+HELP = "all-reduce: dist.all_reduce vs our rings vs naive variants (time, algbw, busbw, bytes)"
+VARIANTS = {"dist.all_reduce": dist.all_reduce, "fast_ring_all_reduce": fast_ring_all_reduce,
+            "ring_all_reduce": ring_all_reduce, "naive_all_reduce": naive_all_reduce,
+            "whole_ring_all_reduce": whole_ring_all_reduce}
+# the schedule (cost.bytes_sent_per_rank's name) each variant follows
+SCHEDULE = {"dist.all_reduce": "ring_all_reduce", "fast_ring_all_reduce": "ring_all_reduce"}
+TARGET = 0.8  # the fast ring's busbw relative to dist.all_reduce's, at >= 16 MiB
+TARGET_VARIANT = "fast_ring_all_reduce"
 
 
 def add_arguments(parser) -> None:
@@ -87,7 +94,7 @@ def main(args) -> int:
           f"float32, {args.rounds} interleaved rounds, medians")
     header = ("N", "size", "variant", "time ms", "algbw GB/s", "busbw GB/s", "vs dist",
               "sent/rank MiB: wire", "trace", "formula")
-    rows, verdicts, checks = [header], [], []
+    rows, verdicts, checks = [header], {TARGET_VARIANT: [], "ring_all_reduce": []}, []
     sizes = [int(mib * 2**20) // 4 * 4 for mib in args.sizes_mib]
     for n in args.world_sizes:
         with Cluster(world_size=n, timeout=1800) as cluster:
@@ -107,14 +114,13 @@ def main(args) -> int:
                 quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
                 wire = max(r[nbytes, name][1] or 0 for r in per_rank)
                 traced = max(r[nbytes, name][2] for r in per_rank)
-                algorithm = "ring_all_reduce" if name == "dist.all_reduce" else name
-                formula = max(bytes_sent_per_rank(algorithm, n, nbytes // 4, 4))
+                formula = max(bytes_sent_per_rank(SCHEDULE.get(name, name), n, nbytes // 4, 4))
                 rows.append((str(n), f"{nbytes / 2**20:g} MiB", name, f"{seconds * 1e3:.1f}",
                              f"{nbytes / seconds / 1e9:.2f}", f"{bus / 1e9:.2f}", f"{ratio:.2f}x",
                              f"{wire / 2**20:.2f}", f"{traced / 2**20:.2f}" if traced else "-",
                              f"{formula / 2**20:.2f}"))
-                if name == "ring_all_reduce" and nbytes >= 16 * 2**20:
-                    verdicts.append((n, nbytes, ratio, quartiles[0], quartiles[2]))
+                if name in verdicts and nbytes >= 16 * 2**20:
+                    verdicts[name].append((n, nbytes, ratio, quartiles[0], quartiles[2]))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     for r in rows:
         print("  ".join(c.rjust(w) if i != 2 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
@@ -124,10 +130,14 @@ def main(args) -> int:
         print(f"N={n}: the size check before each ring call, one all_reduce(MAX) of [key, -key]: "
               f"{reduce_s * 1e3:.2f} ms per call (50 back to back); an all_gather of (numel, dtype) "
               f"instead: {gather_s * 1e3:.2f} ms")
-    worst = min((v for v in verdicts), key=lambda v: v[2], default=None)
-    if worst:
-        ok = worst[2] >= TARGET
-        print(f"target: ring_all_reduce busbw >= {TARGET}x dist.all_reduce's at >= 16 MiB: "
-              f"{'ok' if ok else 'MISSED'} (lowest {worst[2]:.2f}x, N={worst[0]}, "
-              f"{worst[1] / 2**20:g} MiB; round-by-round quartiles {worst[3]:.2f}-{worst[4]:.2f}x)")
+    worst = {name: min(v, key=lambda x: x[2], default=None) for name, v in verdicts.items()}
+    if worst["ring_all_reduce"]:
+        n, nbytes, ratio, _, _ = worst["ring_all_reduce"]
+        print(f"ring_all_reduce, the plain ring the course shows (no target): lowest {ratio:.2f}x "
+              f"dist.all_reduce's busbw at >= 16 MiB (N={n}, {nbytes / 2**20:g} MiB)")
+    if worst[TARGET_VARIANT]:
+        n, nbytes, ratio, low, high = worst[TARGET_VARIANT]
+        print(f"target: {TARGET_VARIANT} busbw >= {TARGET}x dist.all_reduce's at >= 16 MiB: "
+              f"{'ok' if ratio >= TARGET else 'MISSED'} (lowest {ratio:.2f}x, N={n}, "
+              f"{nbytes / 2**20:g} MiB; round-by-round quartiles {low:.2f}-{high:.2f}x)")
     return 0

@@ -2,15 +2,18 @@
 
     ring_all_reduce(t)                 # like dist.all_reduce(t), built on isend/irecv
     ring_reduce_scatter / ring_all_gather, naive_all_reduce, whole_ring_all_reduce
+    fast_ring_all_reduce(t)            # the same ring, pipelined (the benchmark's)
     trace = Trace(); ring_all_reduce(t, trace=trace)   # on each rank; Trace.merge in the kernel
     simulate("ring_all_reduce", world_size, numel)     # the same schedule, no processes
     measure_bytes_sent(fn)             # on a rank: logical (c10d ops) and wire bytes
     run_collective(cluster, "all_gather")              # any collective, before/after per rank
 
-Modules: schedule (who sends what when), trace, ring, naive, cost (formulas), meter, live.
+Modules: schedule (who sends what when), trace, ring (the one to read), fast_ring,
+naive, cost (formulas), meter, live.
 """
 from .cost import (algbw, bus_factor, busbw, bytes_sent_per_rank, num_steps,
                    ring_all_reduce_busbw, ring_all_reduce_seconds)
+from .fast_ring import fast_ring_all_gather, fast_ring_all_reduce, fast_ring_reduce_scatter
 from .live import COLLECTIVES, LiveResult, contributions, expected_after, run_collective
 from .meter import BytesSent, C10dMeter, CommRecord, measure_bytes_sent, wire_bytes_written
 from .naive import naive_all_reduce, whole_ring_all_reduce

@@ -1,18 +1,16 @@
 """Ring reduce-scatter, all-gather and all-reduce, built only on ``dist.isend``/``dist.irecv``.
 
 The ranks form a ring (rank r sends to r+1, receives from r-1) and the tensor is cut into N
-chunks (``schedule.chunk_bounds``). Reduce-scatter: N-1 steps, each rank passes one chunk on
-and adds the chunk that arrives; afterwards rank r holds chunk r fully reduced. All-gather:
-N-1 more steps pass the reduced chunks on until every rank has all of them. Each rank sends
-(N-1)/N of the tensor per phase, 2(N-1)/N in all -- the least any all-reduce can send per
-rank (Patarasuk & Yuan, "Bandwidth optimal all-reduce algorithms for clusters of
-workstations", JPDC 2009). The steps are ``schedule.ring_all_reduce_steps``.
+chunks (``schedule.chunk_bounds``, as ``torch.tensor_split`` cuts it). Reduce-scatter: N-1
+steps, each rank passes one chunk on and adds the chunk that arrives; afterwards rank r holds
+chunk r fully reduced. All-gather: N-1 more steps pass the reduced chunks on until every
+rank has all of them. Each rank sends (N-1)/N of the tensor per phase, 2(N-1)/N in all --
+the least any all-reduce can send per rank (Patarasuk & Yuan, "Bandwidth optimal all-reduce
+algorithms for clusters of workstations", JPDC 2009).
 
-Speed: each chunk travels in segments, and a segment moves on as soon as it has been
-added, so sending the next step overlaps adding the rest of this one (the pipelined ring of
-the paper above). Receives are posted ``AHEAD`` steps early -- a segment's slot is reposted
-as soon as its add has read it -- into reused buffers (reduce-scatter) or straight into the
-tensor (all-gather): no data is copied in Python.
+Each loop walks the schedule the simulator plays (``schedule.ring_reduce_scatter_steps``,
+``ring_all_gather_steps``), one step per iteration, in three verbs: post the send, post the
+receive, wait. ``fast_ring.py`` walks the same schedule pipelined, for speed.
 """
 from __future__ import annotations
 
@@ -20,187 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .checks import check_same_size, flat_view, group_info, reduce_op_name
-from .schedule import chunk_bounds
-
-# A chunk is split into segments of about this many bytes (at most MAX_SEGMENTS of them):
-# small enough to overlap sends with adds, large enough that per-message costs stay small.
-# Chosen with `python -m dpcourse.bench collectives`.
-SEGMENT_BYTES = 1 << 20
-MAX_SEGMENTS = 8
-# Receives are posted this many steps ahead (two, like Gloo's own ring): on Gloo's TCP
-# transport a send's data leaves only once the receiver has posted its receive, so a
-# receive posted early lets the neighbour's send go out the moment it is made.
-AHEAD = 2
-
-
-def _segments(lo: int, hi: int, itemsize: int) -> list[tuple[int, int]]:
-    """Segment bounds (elements) of chunk [lo, hi); both ring neighbours compute the same."""
-    count = max(1, min(MAX_SEGMENTS, -(-(hi - lo) * itemsize // SEGMENT_BYTES), hi - lo))
-    return [(lo + a, lo + b) for a, b in chunk_bounds(hi - lo, count)]
-
-
-_SCRATCH: dict = {}  # (dtype, device) -> buffer reused by later calls on this rank
-
-
-def _scratch(numel: int, like: torch.Tensor) -> torch.Tensor:
-    """A receive buffer of ``numel`` elements, kept between calls: a fresh large buffer
-    costs a page fault per 4 KiB the first time it is written, as much as the add itself."""
-    key = (like.dtype, like.device)
-    buf = _SCRATCH.get(key)
-    if buf is None or buf.numel() < numel:
-        buf = _SCRATCH[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
-    return buf[:numel]
-
-
-class _Ring:
-    """One rank's view of the ring for one call: neighbours, chunks, messages in flight."""
-
-    def __init__(self, flat, group, rank, world_size, trace):
-        self.flat, self.group, self.rank, self.n = flat, group, rank, world_size
-        self.right, self.left = (rank + 1) % world_size, (rank - 1) % world_size
-        self.bounds = chunk_bounds(flat.numel(), world_size)
-        self.segs = [_segments(lo, hi, flat.element_size()) for lo, hi in self.bounds]
-        self.trace = trace
-        self.sends: dict[tuple[int, int], object] = {}  # (chunk, segment) -> send in flight
-        self.tag = 0
-
-    def chunk(self, c):
-        lo, hi = self.bounds[c]
-        return self.flat[lo:hi]
-
-    def send(self, phase, step, c, j):
-        """Post segment j of chunk c to the right-hand neighbour (tags: one per message)."""
-        lo, hi = self.segs[c][j]
-        self.sends[c, j] = dist.isend(self.flat[lo:hi], group=self.group, group_dst=self.right,
-                                      tag=self._tag(step, j))
-        if self.trace is not None and j == len(self.segs[c]) - 1:
-            self.trace.sent(phase, step, self.rank, self.right, c, self.chunk(c))
-
-    def recv(self, step, c, j, into):
-        self.wait_send(c, j)  # never overwrite a segment that is still being sent
-        return dist.irecv(into, group=self.group, group_src=self.left, tag=self._tag(step, j))
-
-    def _tag(self, step, j):
-        return step * MAX_SEGMENTS + j
-
-    def wait_send(self, c, j):
-        work = self.sends.pop((c, j), None)
-        if work is not None:
-            work.wait()
-
-    def wait_all(self):
-        for key in list(self.sends):
-            self.wait_send(*key)
-
-
-def _reduce_scatter(ring: _Ring, avg: bool, then_all_gather: bool) -> None:
-    """The reduce-scatter phase; with ``then_all_gather`` also posts the all-gather's first
-    sends, segment by segment, as soon as the own chunk's segments are complete."""
-    n, r, flat = ring.n, ring.rank, ring.flat
-    cap = max(hi - lo for segs in ring.segs for lo, hi in segs)
-    scratch = _scratch(AHEAD * MAX_SEGMENTS * cap, flat)
-    # one bank of segment slots per step in flight: step s receives into bank s % AHEAD
-    # while the adds of the steps before it still read the other banks
-    slot = [[scratch[(b * MAX_SEGMENTS + j) * cap:(b * MAX_SEGMENTS + j + 1) * cap]
-             for j in range(MAX_SEGMENTS)] for b in range(AHEAD)]
-
-    def arriving(step):  # the chunk that arrives at `step`; we pass it on at step + 1
-        return (r - step - 2) % n
-
-    def post_recv(step, j):
-        lo, hi = ring.segs[arriving(step)][j]
-        return ring.recv(step, arriving(step), j, slot[step % AHEAD][j][:hi - lo])
-
-    recvs = {(step, j): post_recv(step, j)
-             for step in range(min(AHEAD, n - 1)) for j in range(len(ring.segs[arriving(step)]))}
-    for j in range(len(ring.segs[(r - 1) % n])):
-        ring.send("reduce-scatter", 0, (r - 1) % n, j)
-    for s in range(n - 1):
-        c, later = arriving(s), s + AHEAD  # `later`: the step whose receives go out now
-        later_segs = len(ring.segs[arriving(later)]) if later <= n - 2 else 0
-        for j, (lo, hi) in enumerate(ring.segs[c]):
-            recvs.pop((s, j)).wait()
-            flat[lo:hi].add_(slot[s % AHEAD][j][:hi - lo])
-            if s < n - 2:
-                ring.send("reduce-scatter", s + 1, c, j)  # this segment is complete: pass it on
-            else:
-                if avg:
-                    flat[lo:hi].div_(n)
-                if then_all_gather:
-                    ring.send("all-gather", n - 1, c, j)
-            if j < later_segs:  # its slot is free again
-                recvs[later, j] = post_recv(later, j)
-        for j in range(len(ring.segs[c]), later_segs):
-            recvs[later, j] = post_recv(later, j)
-
-
-def _all_gather(ring: _Ring, first_step: int, first_sent: bool) -> None:
-    """The all-gather phase: receive each chunk straight into place and pass it on."""
-    n, r, flat = ring.n, ring.rank, ring.flat
-    if not first_sent:
-        for j in range(len(ring.segs[r])):
-            ring.send("all-gather", first_step, r, j)
-
-    def arriving(s):  # chunk r-s-1 arrives at step s
-        return (r - s - 1) % n
-
-    def post_recv(s, j):
-        lo, hi = ring.segs[arriving(s)][j]
-        return ring.recv(first_step + s, arriving(s), j, flat[lo:hi])
-
-    recvs = {(s, j): post_recv(s, j)
-             for s in range(min(AHEAD, n - 1)) for j in range(len(ring.segs[arriving(s)]))}
-    for s in range(n - 1):
-        c, later = arriving(s), s + AHEAD
-        later_segs = len(ring.segs[arriving(later)]) if later <= n - 2 else 0
-        for j in range(len(ring.segs[c])):
-            recvs.pop((s, j)).wait()
-            if s < n - 2:
-                ring.send("all-gather", first_step + s + 1, c, j)
-            if j < later_segs:
-                recvs[later, j] = post_recv(later, j)
-        for j in range(len(ring.segs[c]), later_segs):
-            recvs[later, j] = post_recv(later, j)
-
-
-def _start(tensor, group, trace, caller, algorithm):
-    flat = flat_view(tensor, caller)
-    group, rank, n = group_info(group)
-    check_same_size(flat, group, n, caller)
-    if trace is not None:
-        trace.start(algorithm, n, rank, flat)
-    return flat, _Ring(flat, group, rank, n, trace)
-
-
-def ring_reduce_scatter(tensor: torch.Tensor, op="sum", group=None, trace=None) -> torch.Tensor:
-    """Ring reduce-scatter in place; returns this rank's reduced chunk (a view of ``tensor``).
-
-    Chunk r of the flattened tensor is ``schedule.chunk_bounds(numel, N)[r]``; the other
-    chunks are left holding partial sums. Each rank sends (N-1)/N of the tensor's bytes.
-    """
-    flat, ring = _start(tensor, group, trace, "ring_reduce_scatter", "ring_reduce_scatter")
-    avg = reduce_op_name(op, tensor, "ring_reduce_scatter") == "avg"
-    if ring.n > 1:
-        _reduce_scatter(ring, avg, then_all_gather=False)
-        ring.wait_all()
-    if trace is not None:
-        trace.finish(ring.rank, flat)
-    return ring.chunk(ring.rank)
-
-
-def ring_all_gather(tensor: torch.Tensor, group=None, trace=None) -> torch.Tensor:
-    """Ring all-gather in place: rank r's chunk r of ``tensor`` goes to every rank.
-
-    Chunk bounds as in ``ring_reduce_scatter``; each rank sends (N-1)/N of the tensor.
-    Returns ``tensor``.
-    """
-    flat, ring = _start(tensor, group, trace, "ring_all_gather", "ring_all_gather")
-    if ring.n > 1:
-        _all_gather(ring, 0, first_sent=False)
-        ring.wait_all()
-    if trace is not None:
-        trace.finish(ring.rank, flat)
-    return tensor
+from .schedule import ring_all_gather_steps, ring_reduce_scatter_steps
 
 
 def ring_all_reduce(tensor: torch.Tensor, op="sum", group=None, trace=None) -> None:
@@ -209,11 +27,95 @@ def ring_all_reduce(tensor: torch.Tensor, op="sum", group=None, trace=None) -> N
 
     op: "sum" or "avg" (or ``dist.ReduceOp.SUM``/``AVG``). trace: a ``Trace`` to fill.
     """
-    avg = reduce_op_name(op, tensor, "ring_all_reduce") == "avg"
-    flat, ring = _start(tensor, group, trace, "ring_all_reduce", "ring_all_reduce")
-    if ring.n > 1:
-        _reduce_scatter(ring, avg, then_all_gather=True)
-        _all_gather(ring, ring.n - 1, first_sent=True)
-        ring.wait_all()
-    if trace is not None:
-        trace.finish(ring.rank, flat)
+    ring = Ring(tensor, op, group, trace, "ring_all_reduce")  # same size on every rank?
+    reduce_scatter_phase(ring)                    # rank r: chunk r summed over all ranks
+    all_gather_phase(ring, first_step=ring.world_size - 1)  # every rank: every chunk
+    ring.finish()
+
+
+def reduce_scatter_phase(ring: "Ring") -> None:
+    """N-1 steps: send a chunk to the right, add the chunk that arrives from the left.
+    Afterwards chunk ``ring.rank`` holds the sum (or mean) over all ranks."""
+    buffer = torch.empty_like(ring.chunks[0])  # receives land here; chunk 0 is the largest
+    for step in ring_reduce_scatter_steps(ring.world_size):
+        mine, theirs = step[ring.rank], step[ring.left]  # what I send; what comes to me
+        incoming = buffer[:ring.chunks[theirs.chunk].numel()]
+        ring.observe(mine)  # a Trace, if given, records what is about to be sent
+        # the three verbs of a step: post the send, post the receive, wait for both
+        send = dist.isend(ring.chunks[mine.chunk], group=ring.group, group_dst=mine.dst)
+        recv = dist.irecv(incoming, group=ring.group, group_src=theirs.src)
+        send.wait()
+        recv.wait()
+        ring.chunks[theirs.chunk].add_(incoming)  # my partial sum + everyone's before me
+    if ring.average:
+        ring.chunks[ring.rank].div_(ring.world_size)
+
+
+def all_gather_phase(ring: "Ring", first_step: int = 0) -> None:
+    """N-1 steps: send a finished chunk to the right, receive one from the left straight
+    into place. ``first_step`` numbers the steps (after a reduce-scatter: N-1)."""
+    for step in ring_all_gather_steps(ring.world_size, first_step):
+        mine, theirs = step[ring.rank], step[ring.left]
+        ring.observe(mine)  # a Trace, if given, records what is about to be sent
+        # the three verbs of a step: post the send, post the receive, wait for both
+        send = dist.isend(ring.chunks[mine.chunk], group=ring.group, group_dst=mine.dst)
+        recv = dist.irecv(ring.chunks[theirs.chunk], group=ring.group, group_src=theirs.src)
+        send.wait()
+        recv.wait()
+
+
+def ring_reduce_scatter(tensor: torch.Tensor, op="sum", group=None, trace=None) -> torch.Tensor:
+    """Ring reduce-scatter in place; returns this rank's reduced chunk (a view of ``tensor``).
+
+    Chunk r of the flattened tensor is ``schedule.chunk_bounds(numel, N)[r]``; the other
+    chunks are left holding partial sums. Each rank sends (N-1)/N of the tensor's bytes.
+    """
+    ring = Ring(tensor, op, group, trace, "ring_reduce_scatter")
+    reduce_scatter_phase(ring)
+    ring.finish()
+    return ring.chunks[ring.rank]
+
+
+def ring_all_gather(tensor: torch.Tensor, group=None, trace=None) -> torch.Tensor:
+    """Ring all-gather in place: rank r's chunk r of ``tensor`` goes to every rank.
+
+    Chunk bounds as in ``ring_reduce_scatter``; each rank sends (N-1)/N of the tensor.
+    Returns ``tensor``.
+    """
+    ring = Ring(tensor, "sum", group, trace, "ring_all_gather")
+    all_gather_phase(ring)
+    ring.finish()
+    return tensor
+
+
+class Ring:
+    """One rank's view of the ring for one call: its chunks (views of the flattened tensor),
+    its neighbour on the left, the group, and the trace that observes it (if any).
+
+    Creating it checks the arguments and that every rank passes a tensor of the same size
+    and dtype (``checks.check_same_size``: one small all_reduce), raising the same
+    ValueError on every rank instead of letting mismatched sends hang.
+    """
+
+    def __init__(self, tensor: torch.Tensor, op, group, trace, algorithm: str):
+        self.average = reduce_op_name(op, tensor, algorithm) == "avg"
+        self.flat = flat_view(tensor, algorithm)
+        self.group, self.rank, self.world_size = group_info(group)
+        check_same_size(self.flat, self.group, self.world_size, algorithm)
+        self.left = (self.rank - 1) % self.world_size
+        self.chunks = self.flat.tensor_split(self.world_size)  # = schedule.chunk_bounds
+        self.trace = trace
+        if trace is not None:
+            trace.start(algorithm, self.world_size, self.rank, self.flat)
+
+    def observe(self, send) -> None:
+        """Tell the trace (if any) that this rank is about to post ``send`` (a
+        ``schedule.Send``); it records the chunk's bytes and, if asked, its values."""
+        if self.trace is not None:
+            self.trace.sent(send.phase, send.step, send.src, send.dst, send.chunk,
+                            self.chunks[send.chunk])
+
+    def finish(self) -> None:
+        """Tell the trace (if any) that the call is done (it keeps the result if asked)."""
+        if self.trace is not None:
+            self.trace.finish(self.rank, self.flat)
