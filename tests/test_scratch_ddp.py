@@ -71,12 +71,12 @@ def test_at_two_ranks_every_wrapper_is_bitwise_torch_ddp(cluster2):
 
 
 class HookTakesGradDDP(OverlapDDP):
-    """The classic mistake: treating the hook's argument as the gradient. The
-    post-accumulate-grad hook receives the *parameter*, so this all-reduces the weights."""
+    """The classic mistake, made through the public API only: treating the argument of
+    ``grad_ready`` as the gradient. The post-accumulate-grad hook behind it passes the
+    *parameter*, so this averages the weights and never the gradients."""
 
-    def _grad_ready(self, grad):
-        grad.div_(self.world_size)
-        self._works.append(dist.all_reduce(grad, async_op=True))
+    def grad_ready(self, grad):
+        self.works.append(self.comm_hook(grad, "a parameter"))
 
 
 def test_a_hook_that_reduces_the_parameter_instead_of_its_grad_is_caught(cluster2):
@@ -84,7 +84,26 @@ def test_a_hook_that_reduces_the_parameter_instead_of_its_grad_is_caught(cluster
     results = cluster2.run(train_steps, cfg, HookTakesGradDDP)
     with pytest.raises(AssertionError):
         _assert_matches(results, reference_steps(cfg, 2))
+    assert not torch.equal(results[0]["params"]["head.weight"], results[1]["params"]["head.weight"])
     _assert_matches(cluster2.run(train_steps, cfg, OverlapDDP), reference_steps(cfg, 2))
+
+
+def test_the_buggy_hook_averages_the_weights_from_the_second_step_on(cluster2):
+    """Step 1: equal weights, local gradients, so the ranks step apart. From then on every
+    backward replaces each rank's weights with the ranks' average: parameter averaging."""
+    cfg = _cfg("tied_transformer", "sgd")
+    ranks = cluster2.run(dpc.scratch.parameters_around_backward, cfg, HookTakesGradDDP, steps=3)
+    first, later = [r[0] for r in ranks], [r[1:] for r in ranks]
+    assert torch.equal(first[0]["after_backward"], first[1]["after_backward"])
+    for step in zip(*later):
+        before = [s["before_backward"] for s in step]
+        assert not torch.equal(*before)  # the ranks stepped with their own gradients
+        for s in step:
+            torch.testing.assert_close(s["after_backward"], (before[0] + before[1]) / 2)
+    correct = cluster2.run(dpc.scratch.parameters_around_backward, cfg, OverlapDDP, steps=3)
+    for r in correct:  # a correct DDP never touches the weights during backward
+        assert all(torch.equal(s["before_backward"], s["after_backward"]) for s in r)
+    assert torch.equal(correct[0][-1]["after_backward"], correct[1][-1]["after_backward"])
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -229,3 +248,45 @@ def test_bucket_sweep_counts_the_buckets_it_planned(cluster2):
     assert alpha >= 0 and beta > 0
     with pytest.raises(ValueError, match="did not take longer"):
         fit_alpha_beta({4096: 2e-3, 1 << 20: 1e-3}, 2)  # a noise-dominated pair
+
+
+def _observed_from_outside():
+    """A BucketedDDP observed only through its public hooks: a Timeline on ``comm_hook``,
+    and a list on ``grad_ready`` (wrapped on the instance, as an observer would)."""
+    from dpcourse.scratch import BucketedDDP, Timeline, observe_comm_hook
+
+    model = BucketedDDP(dpc.models.build_model("mlp", d_hidden=30, depth=3), bucket_cap_mb=0.004)
+    timeline, ready = Timeline(dist.get_rank()), []
+    observe_comm_hook(model, timeline)
+    grad_ready = model.grad_ready
+    model.grad_ready = lambda p: (ready.append(p), grad_ready(p))
+    x, y = dpc.models.make_dataset("mlp", 4, seed=dist.get_rank()).tensors
+    dpc.models.loss_fn("mlp", model(x), y).backward()
+    names = {p: n for n, p in model.module.named_parameters()}
+    return timeline.to_list(), [names[p] for p in ready], model.buckets.describe()
+
+
+def test_a_timeline_attaches_from_outside_through_the_public_hooks(cluster2):
+    for events, ready, buckets in cluster2.run(_observed_from_outside):
+        names = [n for n, _ in dpc.models.build_model("mlp", d_hidden=30, depth=3).named_parameters()]
+        assert ready == names[::-1]  # backward's order: the last layer's gradients first
+        comm = [e for e in events if e["lane"] == "comm"]
+        assert [(e["name"], e["nbytes"]) for e in sorted(comm, key=lambda e: e["start"])] == \
+            [(f"bucket {b['index']}", b["nbytes"]) for b in buckets]
+        assert all(e["kind"] == "all_reduce" and e["end"] >= e["start"] for e in comm)
+
+
+def test_torch_ddp_starts_with_one_bucket_then_rebuilds_with_a_small_first_one(cluster2):
+    """torch 2.13, default caps: iteration 0 all-reduces one bucket; afterwards the buckets
+    are rebuilt in gradient-ready order, the first closed at 1 MiB, the others at 25 MiB --
+    what assign_buckets gives over reverse registration order with first_bucket_cap_mb=1."""
+    from dpcourse.scratch.sweep import torch_ddp_buckets
+
+    cfg = _cfg("transformer", "sgd", model_sizes={"d_model": 128, "n_layers": 4})
+    first, second, third = cluster2.run(torch_ddp_buckets, cfg, 3)[0]
+    params = list(dpc.models.build_model("transformer", d_model=128, n_layers=4).named_parameters())[::-1]
+    assert len(first) == 1 and set(first[0]) == {n for n, _ in params}
+    plan = dpc.scratch.assign_buckets([p.numel() for _, p in params], [4] * len(params), 25,
+                                      first_bucket_cap_mb=1)
+    assert len(plan) == 2 and sum(params[i][1].numel() for i in plan[0]) * 4 >= 2**20
+    assert [set(b) for b in second] == [{params[i][0] for i in b} for b in plan] == [set(b) for b in third]

@@ -114,19 +114,23 @@ def test_our_ring_reduce_scatter_sends_less_than_gloos(cluster4):
 
 
 def test_the_timeline_shows_the_fsdp_rhythm(cluster2):
+    """Recorded from outside (``MiniFSDPObserver`` on MiniFSDP's public steps and hooks)."""
     result = cluster2.run(train_steps, _cfg(), "fsdp", record=True)[0]
     events = sorted((Event(**e) for e in result["timeline"]), key=lambda e: (e.start, e.end))
     for unit in ("blocks.0", "blocks.1", "blocks.2"):
-        mine = [e for e in events if e.name == unit]
-        order = [e.kind for e in sorted(mine, key=lambda e: e.start)]
-        assert order == ["all_gather", "unsharded", "forward", "all_gather", "unsharded", "backward",
-                         "reduce_scatter"], (unit, order)
+        mine = sorted((e for e in events if e.name == unit), key=lambda e: e.start)
+        order = [e.kind for e in mine if e.kind != "unsharded"]
+        assert order == ["all_gather", "forward", "all_gather", "backward", "reduce_scatter"], (unit, order)
         held = [e for e in mine if e.kind == "unsharded"]
+        gathers = [e for e in mine if e.kind == "all_gather"]
         compute = [e for e in mine if e.kind in ("forward", "backward")]
-        for h, c in zip(held, compute):  # gathered before computing, freed right after
-            assert h.start <= c.start and c.end <= h.end
+        assert len(held) == 2
+        for h, g, c in zip(held, gathers, compute):  # gathered before computing, freed right after
+            assert h.start <= g.start and g.end <= c.start and c.end <= h.end
         rs = next(e for e in mine if e.kind == "reduce_scatter")
         assert rs.start >= compute[1].end
+        waits = [e for e in events if e.kind == "wait" and e.name.endswith(" " + unit)]
+        assert {e.name.split()[0] for e in waits} == {"all_gather", "reduce_scatter"}
     observed = cluster2.run(train_steps, _cfg(), "torch_fsdp", record=True)[0]["timeline"]
     assert {e["name"] for e in observed if e["lane"] == "comm"} == {"root", "blocks.0", "blocks.1", "blocks.2"}
 

@@ -11,13 +11,15 @@ one bucket per parameter, and a bucket can end anywhere. torch DDP's default (no
 ``bucket_cap_mb`` given) closes the first bucket at 1 MiB already
 (``dist._DEFAULT_FIRST_BUCKET_BYTES``), so that communication starts early:
 ``first_bucket_cap_mb=1`` does the same.
+
+Our buckets are fixed at construction. torch DDP (2.13, ``find_unused_parameters=False``)
+runs its first iteration with all parameters in one bucket, records the order in which the
+gradients become ready, and then rebuilds its buckets in that order; for models whose
+backward runs in reverse registration order (ours) the rebuilt buckets equal these.
 """
 from __future__ import annotations
 
-import time
-
 import torch
-import torch.distributed as dist
 
 MIB = 1024 * 1024  # bucket_cap_mb counts MiB, as in torch DDP
 
@@ -64,52 +66,53 @@ class Bucket:
         """Bytes of the flat buffer (what one all-reduce carries)."""
         return self.buffer.numel() * self.buffer.element_size()
 
+    @property
+    def full(self) -> bool:
+        """True once every parameter's gradient is in the buffer."""
+        return len(self.ready) == len(self.params)
+
     def view(self, i: int) -> torch.Tensor:
         """Parameter i's slot in the buffer, shaped like the parameter."""
         p = self.params[i]
         return self.buffer[self.offsets[i]:self.offsets[i] + p.numel()].view_as(p)
 
-    def add_grad(self, i: int) -> bool:
-        """Copy parameter i's gradient into its slot; True once every slot is filled."""
+    def reset(self) -> None:
+        """Forget which gradients arrived (the next backward starts empty)."""
+        self.ready.clear()
+        self.work = None
+
+    def add_grad(self, i: int) -> None:
+        """Copy parameter i's gradient into its slot."""
         slot, grad = self.view(i), self.params[i].grad
         if grad.data_ptr() != slot.data_ptr():  # after the first step grads *are* the slots
             slot.copy_(grad)
         self.ready.add(i)
-        return len(self.ready) == len(self.params)
 
-    def launch(self, group, world_size: int, timeline=None) -> None:
-        """Start the asynchronous all-reduce (average over ranks) of the whole bucket."""
-        self.buffer.div_(world_size)  # divide first, then sum: what DDP's default hook does
-        start = time.perf_counter()
-        self.work = dist.all_reduce(self.buffer, group=group, async_op=True)
-        if timeline is not None:
-            timeline.comm(self.work, "all_reduce", f"bucket {self.index}", self.nbytes, start)
+    def launch(self, comm_hook) -> None:
+        """Start the asynchronous average of the whole bucket: ``comm_hook(buffer, name)``."""
+        self.work = comm_hook(self.buffer, f"bucket {self.index}")
 
-    def finish(self) -> None:
+    def wait(self) -> None:
         """Wait for the all-reduce and make each gradient a view of its averaged slot."""
         if self.work is not None:
             self.work.wait()
-            self.work = None
         for i, p in enumerate(self.params):
             p.grad = self.view(i)
-        self.ready.clear()
+        self.reset()
 
 
 class BucketManager:
-    """Packs parameters into buckets and launches each bucket's all-reduce in bucket order.
+    """Packs parameters into buckets; says which buckets are due to launch, in bucket order.
 
     Buckets are launched strictly in index order (bucket 3 waits for bucket 2 even if it
     filled first), so every rank issues the same collectives in the same order -- Gloo and
     NCCL pair collectives by order, not by name.
     """
 
-    def __init__(self, named_params, bucket_cap_mb: float = 25, group=None, timeline=None,
-                 first_bucket_cap_mb: float | None = None):
+    def __init__(self, named_params, bucket_cap_mb: float = 25, first_bucket_cap_mb: float | None = None):
         named = [(n, p) for n, p in named_params if p.requires_grad][::-1]  # reverse order
         if not named:
             raise ValueError("no parameter requires a gradient: nothing to synchronise")
-        self.group, self.timeline = group, timeline
-        self.world_size = dist.get_world_size(group)
         plan = assign_buckets([p.numel() for _, p in named], [p.element_size() for _, p in named],
                               bucket_cap_mb, first_bucket_cap_mb)
         self.buckets = [Bucket(b, [named[i][1] for i in idx], [named[i][0] for i in idx])
@@ -117,32 +120,34 @@ class BucketManager:
         self.where = {p: (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self.next_to_launch = 0
 
-    def mark_ready(self, param: torch.Tensor) -> None:
-        """Called when ``param``'s gradient is accumulated; launches every bucket now due."""
+    def add_grad(self, param: torch.Tensor) -> list[Bucket]:
+        """Put ``param``'s gradient in its bucket; returns the buckets now due to launch."""
         bucket, i = self.where[param]
         bucket.add_grad(i)
-        while (self.next_to_launch < len(self.buckets)
-               and len(self.buckets[self.next_to_launch].ready) == len(self.buckets[self.next_to_launch].params)):
-            self.buckets[self.next_to_launch].launch(self.group, self.world_size, self.timeline)
+        due = []
+        while self.next_to_launch < len(self.buckets) and self.buckets[self.next_to_launch].full:
+            due.append(self.buckets[self.next_to_launch])
             self.next_to_launch += 1
+        return due
 
-    def finish(self) -> None:
-        """Wait for every bucket; raise a clear error if some gradient never arrived."""
+    def wait(self) -> None:
+        """Wait for every launched bucket; raise a clear error if some gradient never arrived."""
+        if self.next_to_launch == 0 and not any(b.ready for b in self.buckets):
+            return  # nothing launched, nothing arrived: no backward since the last wait
+        launched, self.next_to_launch = self.buckets[:self.next_to_launch], 0
         missing = [name for b in self.buckets for i, name in enumerate(b.names) if i not in b.ready]
-        if missing and self.next_to_launch > 0:
-            for b in self.buckets[:self.next_to_launch]:
-                b.finish()  # leave no collective in flight before raising
-        self.next_to_launch = 0
         if missing:
+            for b in launched:
+                b.wait()  # leave no collective in flight before raising
             for b in self.buckets:
-                b.ready.clear()
+                b.reset()
             raise RuntimeError(
                 f"no gradient arrived for {len(missing)} parameter(s) this backward, e.g. "
                 f"{missing[:3]}: they were not used to compute the loss. Freeze them "
                 "(requires_grad_(False)) or use them; as in torch DDP, buckets wait for "
                 "every trainable parameter")
         for b in self.buckets:
-            b.finish()
+            b.wait()
 
     def describe(self) -> list[dict]:
         """One dict per bucket: index, parameter names, bytes (plain data)."""

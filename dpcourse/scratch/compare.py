@@ -10,7 +10,8 @@ import torch.distributed as dist
 
 from .. import models
 from ..collectives import C10dMeter, measure_bytes_sent
-from ..train.runner import make_optimizer, rank_device
+from ..backends import rank_device
+from ..train.runner import make_optimizer
 from .experiment import wrap_model
 
 

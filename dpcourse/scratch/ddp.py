@@ -5,27 +5,38 @@
     optimizer.step()
 
 * ``NaiveDDP``: after backward, all-reduce every gradient, one after another.
-* ``OverlapDDP``: one asynchronous all-reduce per parameter, launched from a hook the moment
-  that parameter's gradient is accumulated, so communication overlaps the rest of backward.
+* ``OverlapDDP``: one asynchronous all-reduce per parameter, launched the moment that
+  parameter's gradient is accumulated, so communication overlaps the rest of backward.
 * ``BucketedDDP``: gradients copied into flat buckets (``bucketed.BucketManager``); one
   asynchronous all-reduce per bucket -- fewer, larger messages, still overlapped.
 
-All three have torch DDP's surface, so training code runs unchanged on any of them:
-``.module``, ``no_sync()`` (accumulate locally; the next backward outside it synchronises
-the sum), ``require_backward_grad_sync``, ``finish_gradient_synchronization()``. At
-construction they broadcast rank 0's parameters and buffers, so ranks initialised with
-different seeds start equal. Frozen parameters (``requires_grad=False``) are skipped; a
-tied parameter is one tensor, accumulated once per backward, so it is reduced once.
+Training code runs unchanged on any of them or on torch DDP: ``.module``, ``no_sync()``
+(accumulate locally; the next backward outside it synchronises the sum) and
+``require_backward_grad_sync`` are torch DDP's. At construction they broadcast rank 0's
+parameters and buffers, so ranks initialised with different seeds start equal. Frozen
+parameters (``requires_grad=False``) are skipped; a tied parameter is one tensor,
+accumulated once per backward, so it is reduced once.
 
-The hooks are ``Tensor.register_post_accumulate_grad_hook``: the hook is called with the
-*parameter* (its ``.grad`` now complete), not with the gradient. Each wrapper also queues a
-callback on the autograd engine that runs when backward ends and waits for outstanding
-communication, so ``loss.backward()`` returns with averaged gradients, as with torch DDP.
+Two methods are the wrapper's vocabulary, public so that a subclass or an observer can
+use them (``dpcourse.scratch.observe`` records timelines through them):
+
+* ``grad_ready(param)``: called when ``param.grad`` is complete. The hook behind it is
+  ``Tensor.register_post_accumulate_grad_hook``, which is called with the *parameter*,
+  not with the gradient.
+* ``comm_hook(tensor, name)``: start averaging ``tensor`` over the ranks and return the
+  ``Work``; the idea of torch DDP's ``register_comm_hook``, whose default hook divides
+  the bucket by the world size and all-reduces it.
+
+``finish_gradient_synchronization()`` waits for the communication still in flight. It is
+not torch DDP's (torch DDP waits inside backward and has no such method): it is the name
+of that step in CS336's DDP assignment, whose tests call it after backward. Here it also
+runs by itself when backward ends (a callback queued on the autograd engine), so
+``loss.backward()`` returns with averaged gradients, as with torch DDP; calling it again
+does nothing.
 """
 from __future__ import annotations
 
 import contextlib
-import time
 import weakref
 
 import torch
@@ -33,7 +44,6 @@ import torch.distributed as dist
 from torch import nn
 
 from .bucketed import BucketManager
-from .timeline import COMM, COMPUTE, WAIT
 
 
 def broadcast_parameters_and_buffers(module: nn.Module, src: int = 0, group=None) -> None:
@@ -44,9 +54,9 @@ def broadcast_parameters_and_buffers(module: nn.Module, src: int = 0, group=None
 
 
 class _DataParallel(nn.Module):
-    """What the three wrappers share: the DDP surface, construction, the end-of-backward callback."""
+    """What the three wrappers share: the DDP surface, the hooks, the end-of-backward callback."""
 
-    def __init__(self, module: nn.Module, group=None, broadcast_buffers: bool = True, timeline=None):
+    def __init__(self, module: nn.Module, group=None, broadcast_buffers: bool = True):
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(f"{type(self).__name__} needs a process group: run it on the ranks "
@@ -56,36 +66,19 @@ class _DataParallel(nn.Module):
         self.world_size = dist.get_world_size(group)
         self.broadcast_buffers = broadcast_buffers
         self.require_backward_grad_sync = True
-        self._timeline = timeline
         self._callback_queued = False
         broadcast_parameters_and_buffers(module, group=group)
         self._trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self._names = {p: n for n, p in self._trainable}
         # The hooks hold the wrapper weakly: a wrapper dropped in a notebook stops reducing.
         ref = weakref.ref(self)
 
         def hook(param, ref=ref):
             wrapper = ref()
             if wrapper is not None:
-                wrapper._on_grad_ready(param)
+                wrapper._on_grad_accumulated(param)
 
         self._hooks = [p.register_post_accumulate_grad_hook(hook) for _, p in self._trainable]
-
-    @property
-    def timeline(self):
-        """The ``Timeline`` this wrapper records into (None: record nothing)."""
-        return self._timeline
-
-    @timeline.setter
-    def timeline(self, value) -> None:
-        self._timeline = value
-        if hasattr(self, "buckets"):
-            self.buckets.timeline = value
-
-    def remove_hooks(self) -> None:
-        """Detach this wrapper from the module's parameters (before wrapping it again)."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
 
     def forward(self, *args, **kwargs):
         if self.broadcast_buffers and self.world_size > 1:
@@ -104,24 +97,32 @@ class _DataParallel(nn.Module):
         finally:
             self.require_backward_grad_sync = previous
 
-    def _on_grad_ready(self, param: torch.Tensor) -> None:
-        # post-accumulate-grad hooks receive the parameter; param.grad is complete now
+    def remove_hooks(self) -> None:
+        """Detach this wrapper from the module's parameters (before wrapping it again)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def comm_hook(self, tensor: torch.Tensor, name: str):
+        """Start averaging ``tensor`` over the ranks, in place; returns the async ``Work``.
+        ``name``: what the tensor is (a parameter's name, "bucket 3"), for observers."""
+        tensor.div_(self.world_size)  # divide first, then sum: what DDP's default hook does
+        return dist.all_reduce(tensor, group=self.group, async_op=True)
+
+    def _on_grad_accumulated(self, param: torch.Tensor) -> None:
         if not self.require_backward_grad_sync:
-            return
+            return  # inside no_sync(): keep accumulating locally
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        self._grad_ready(param)
+        self.grad_ready(param)
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False
-        start = time.perf_counter()
         self.finish_gradient_synchronization()
-        if self.timeline is not None:
-            self.timeline.add(COMPUTE, WAIT, "gradient sync", start)
 
-    def _grad_ready(self, param: torch.Tensor) -> None:
-        """What to do when one gradient is ready (subclasses)."""
+    def grad_ready(self, param: torch.Tensor) -> None:
+        """``param.grad`` is complete (each wrapper decides what to do with it)."""
 
     def finish_gradient_synchronization(self) -> None:
         """Wait for all outstanding gradient communication; harmless if there is none."""
@@ -130,11 +131,11 @@ class _DataParallel(nn.Module):
 class NaiveDDP(_DataParallel):
     """All-reduce every gradient after backward, one blocking call per parameter."""
 
-    def __init__(self, module: nn.Module, group=None, broadcast_buffers: bool = True, timeline=None):
-        super().__init__(module, group, broadcast_buffers, timeline)
+    def __init__(self, module: nn.Module, group=None, broadcast_buffers: bool = True):
+        super().__init__(module, group, broadcast_buffers)
         self._pending = False
 
-    def _grad_ready(self, param):
+    def grad_ready(self, param):
         self._pending = True  # nothing to do yet: wait for the end of backward
 
     def finish_gradient_synchronization(self) -> None:
@@ -145,11 +146,7 @@ class NaiveDDP(_DataParallel):
             if p.grad is None:
                 raise RuntimeError(f"parameter {name!r} got no gradient: it was not used to compute "
                                    "the loss; freeze it (requires_grad_(False)) or use it")
-            start = time.perf_counter()
-            dist.all_reduce(p.grad, group=self.group)
-            p.grad.div_(self.world_size)
-            if self.timeline is not None:
-                self.timeline.add(COMM, "all_reduce", name, start, nbytes=p.grad.numel() * p.grad.element_size())
+            self.comm_hook(p.grad, name).wait()
 
 
 class OverlapDDP(_DataParallel):
@@ -159,22 +156,16 @@ class OverlapDDP(_DataParallel):
     each, so the ranks launch their all-reduces in the same order.
     """
 
-    def __init__(self, module: nn.Module, group=None, broadcast_buffers: bool = True, timeline=None):
-        super().__init__(module, group, broadcast_buffers, timeline)
-        self._names = {p: n for n, p in self._trainable}
-        self._works: list = []
+    def __init__(self, module: nn.Module, group=None, broadcast_buffers: bool = True):
+        super().__init__(module, group, broadcast_buffers)
+        self.works: list = []  # the all-reduces in flight, in launch order
 
-    def _grad_ready(self, param):
-        grad = param.grad  # the hook's argument is the parameter; its .grad is what we reduce
-        grad.div_(self.world_size)
-        start = time.perf_counter()
-        work = dist.all_reduce(grad, group=self.group, async_op=True)
-        if self.timeline is not None:
-            self.timeline.comm(work, "all_reduce", self._names[param], grad.numel() * grad.element_size(), start)
-        self._works.append(work)
+    def grad_ready(self, param):
+        # the hook's argument is the parameter; its .grad is what we reduce
+        self.works.append(self.comm_hook(param.grad, self._names[param]))
 
     def finish_gradient_synchronization(self) -> None:
-        works, self._works = self._works, []
+        works, self.works = self.works, []
         for work in works:
             work.wait()
 
@@ -187,14 +178,14 @@ class BucketedDDP(_DataParallel):
     ``gradient_as_bucket_view=True``), so gradients take no memory beyond the buckets."""
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25, group=None,
-                 broadcast_buffers: bool = True, timeline=None, first_bucket_cap_mb: float | None = None):
-        super().__init__(module, group, broadcast_buffers, timeline)
+                 broadcast_buffers: bool = True, first_bucket_cap_mb: float | None = None):
+        super().__init__(module, group, broadcast_buffers)
         self.bucket_cap_mb, self.first_bucket_cap_mb = bucket_cap_mb, first_bucket_cap_mb
-        self.buckets = BucketManager(self._trainable, bucket_cap_mb, group, timeline, first_bucket_cap_mb)
+        self.buckets = BucketManager(self._trainable, bucket_cap_mb, first_bucket_cap_mb)
 
-    def _grad_ready(self, param):
-        self.buckets.mark_ready(param)
+    def grad_ready(self, param):
+        for bucket in self.buckets.add_grad(param):  # the buckets now due, in index order
+            bucket.launch(self.comm_hook)
 
     def finish_gradient_synchronization(self) -> None:
-        if any(b.ready or b.work is not None for b in self.buckets.buckets):
-            self.buckets.finish()
+        self.buckets.wait()

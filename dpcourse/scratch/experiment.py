@@ -21,10 +21,12 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from .. import models
 from ..train import parallel
-from ..train.runner import batches, make_optimizer, rank_device
+from ..backends import rank_device
+from ..train.runner import batches, make_optimizer
 from .ddp import BucketedDDP, NaiveDDP, OverlapDDP
 from .fsdp import MiniFSDP
-from .observe import BackwardObserver, FSDP1Observer, observe_ddp_communication
+from .observe import (BackwardObserver, FSDP1Observer, MiniFSDPObserver, observe_comm_hook,
+                      observe_ddp_communication)
 from .timeline import COMPUTE, Timeline
 from .zero import ShardedOptimizer
 
@@ -33,43 +35,83 @@ KINDS = tuple(SCRATCH) + ("torch_ddp", "torch_fsdp")
 DDP_LIKE = ("naive", "overlap", "bucketed", "torch_ddp")
 
 
+def ring_reduce_scatter_hook(fsdp):
+    """A comm hook for MiniFSDP: gradients reduce-scattered by ``dpcourse.collectives``' ring
+    (blocking; sends (N-1)/N of the gradient where Gloo's sends 2(N-1)/N), every other
+    collective left to ``fsdp``'s current hook.
+    Install it with ``fsdp.comm_hook = ring_reduce_scatter_hook(fsdp)``."""
+    from ..collectives import ring_reduce_scatter
+
+    default = fsdp.comm_hook
+
+    def hook(collective, output, input, name):
+        if collective != "reduce_scatter":
+            return default(collective, output, input, name)
+        output.copy_(ring_reduce_scatter(input, op="sum", group=fsdp.group))  # in place, then ours
+        done = torch.futures.Future()
+        done.set_result(output)
+        return done
+
+    return hook
+
+
 def wrap_model(kind: str, model, *, bucket_cap_mb: float | None = None,
                first_bucket_cap_mb: float | None = None, wrap=None,
-               compute_dtype=None, reduce_scatter: str = "backend", shard_root: bool = False,
-               timeline=None):
-    """``model`` wrapped by ``kind`` (one of ``KINDS``, or a wrapper class taking
-    ``(model, timeline=...)``, e.g. your own subclass of OverlapDDP); torch's wrappers are
-    built with ``dpc.train.parallel`` (torch DDP with its defaults unless ``bucket_cap_mb``
-    is given; ``first_bucket_cap_mb`` is BucketedDDP's only)."""
+               compute_dtype=None, reduce_scatter: str = "backend", shard_root: bool = False):
+    """``model`` wrapped by ``kind`` (one of ``KINDS``, or a wrapper class taking ``(model)``,
+    e.g. your own subclass of OverlapDDP); torch's wrappers are built with
+    ``dpc.train.parallel`` (torch DDP with its defaults unless ``bucket_cap_mb`` is given;
+    ``first_bucket_cap_mb`` is BucketedDDP's only). ``reduce_scatter="ring"``: MiniFSDP
+    with ``ring_reduce_scatter_hook``."""
     if isinstance(kind, type):
-        return kind(model, timeline=timeline)
+        return kind(model)
     if kind not in KINDS:
         raise ValueError(f"unknown wrapper {kind!r}; choose one of {', '.join(KINDS)}")
+    if reduce_scatter not in ("backend", "ring"):
+        raise ValueError(f"reduce_scatter must be 'backend' (the process group's) or 'ring' "
+                         f"(dpcourse.collectives), not {reduce_scatter!r}")
     if kind == "bucketed":
         return BucketedDDP(model, bucket_cap_mb=25 if bucket_cap_mb is None else bucket_cap_mb,
-                           first_bucket_cap_mb=first_bucket_cap_mb, timeline=timeline)
+                           first_bucket_cap_mb=first_bucket_cap_mb)
     if kind in ("naive", "overlap"):
-        return SCRATCH[kind](model, timeline=timeline)
+        return SCRATCH[kind](model)
     if kind == "fsdp":
-        return MiniFSDP(model, wrap=wrap, compute_dtype=compute_dtype, reduce_scatter=reduce_scatter,
-                        shard_root=shard_root, timeline=timeline)
+        fsdp = MiniFSDP(model, wrap=wrap, compute_dtype=compute_dtype, shard_root=shard_root)
+        if reduce_scatter == "ring":
+            fsdp.comm_hook = ring_reduce_scatter_hook(fsdp)
+        return fsdp
     from ..train import TrainConfig
 
     device = next(model.parameters()).device
     if kind == "torch_ddp":
         if bucket_cap_mb is None:
-            ddp = parallel.apply_ddp(model, device, TrainConfig())
-        else:
-            from torch.nn.parallel import DistributedDataParallel as DDP
+            return parallel.apply_ddp(model, device, TrainConfig())
+        from torch.nn.parallel import DistributedDataParallel as DDP
 
-            ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                      bucket_cap_mb=bucket_cap_mb)
-        if timeline is not None:
-            observe_ddp_communication(ddp, timeline)
-        return ddp
+        return DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                   bucket_cap_mb=bucket_cap_mb)
     parallel.broadcast_module(model)  # FSDP1 cannot sync weights on CPU itself
     cfg = TrainConfig(strategy="fsdp", sharding_strategy="FULL_SHARD", auto_wrap="block")
     return parallel.apply_fsdp(model, device, cfg, wrap)
+
+
+def observe(kind, wrapped, model, timeline):
+    """Attach this rank's timeline to ``wrapped`` from outside; returns (backward observer or
+    None, context manager around each step). DDP-like wrappers, torch's and ours alike, are
+    observed the same way: per-layer backward from tensor hooks, then every collective
+    through the comm hook, then the wait after backward (``backward_returned()``)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if isinstance(wrapped, MiniFSDP):
+        MiniFSDPObserver(wrapped, timeline)
+        return None, contextlib.nullcontext()
+    if kind == "torch_fsdp":
+        return None, FSDP1Observer(wrapped, timeline)
+    if isinstance(wrapped, DDP):
+        observe_ddp_communication(wrapped, timeline)
+    else:
+        observe_comm_hook(wrapped, timeline)
+    return BackwardObserver(model, timeline), contextlib.nullcontext()
 
 
 def full_parameters(kind, wrapped, names) -> dict:
@@ -106,7 +148,8 @@ def train_steps(cfg, kind: str, *, accumulation: int = 1, seed_per_rank: bool = 
     timeline = Timeline(rank) if record else None
     if kind in ("fsdp", "torch_fsdp") and options.get("wrap") is None:
         options["wrap"] = models.wrap_classes(cfg.model)
-    wrapped = wrap_model(kind, model, timeline=timeline, **options)
+    wrapped = wrap_model(kind, model, **options)
+    observer, around_step = observe(kind, wrapped, model, timeline) if record else (None, None)
     if sharded_optimizer:
         template = make_optimizer(cfg, [torch.zeros(1, requires_grad=True)])  # dpc.train's choice
         accepted = inspect.signature(type(template)).parameters
@@ -120,8 +163,6 @@ def train_steps(cfg, kind: str, *, accumulation: int = 1, seed_per_rank: bool = 
     else:
         optimizer = make_optimizer(cfg, wrapped.parameters())
     ddp_like = isinstance(kind, type) or kind in DDP_LIKE
-    observer = BackwardObserver(model, timeline) if record and ddp_like else None
-    fsdp_observer = FSDP1Observer(wrapped, timeline) if record and kind == "torch_fsdp" else None
     dataset = models.make_dataset(cfg.model, cfg.num_samples, seed=cfg.seed + 1, **cfg.model_sizes)
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed,
                                  drop_last=True)
@@ -135,7 +176,7 @@ def train_steps(cfg, kind: str, *, accumulation: int = 1, seed_per_rank: bool = 
             dist.barrier()  # recorded steps start together: no rank's lateness shows as comm
         t0, c0 = time.perf_counter(), time.process_time()
         total = 0.0
-        with fsdp_observer or contextlib.nullcontext():
+        with around_step or contextlib.nullcontext():
             for micro in range(accumulation):
                 _, (x, y) = next(stream)
                 x, y = x.to(device), y.to(device)
@@ -147,7 +188,7 @@ def train_steps(cfg, kind: str, *, accumulation: int = 1, seed_per_rank: bool = 
                         timeline.add(COMPUTE, "forward", "model", start)
                     loss = models.loss_fn(cfg.model, out, y) / accumulation
                     loss.backward()
-                    if observer is not None and kind == "torch_ddp" and sync:
+                    if observer is not None and sync:
                         observer.backward_returned()
                 total += loss.item()
             start = time.perf_counter()
@@ -175,3 +216,30 @@ def reference_steps(cfg, world_size: int, accumulation: int = 1) -> dict:
     from ..train import train_single_process
 
     return train_single_process(cfg, world_size, accumulation)
+
+
+def parameters_around_backward(cfg, kind, steps: int = 2) -> list[dict]:
+    """On this rank: all parameters as one flat vector just before and just after each
+    step's backward, over ``steps`` optimizer steps of ``cfg.model`` (seed ``cfg.seed`` on
+    every rank) wrapped by ``kind`` (a ``KINDS`` name or a wrapper class), each rank on its
+    own ``cfg.batch_size`` samples. Shows what a wrapper's communication does to the
+    weights: a correct DDP leaves them alone during backward.
+    Returns one {"before_backward", "after_backward"} dict of CPU tensors per step."""
+    rank, world, device = dist.get_rank(), dist.get_world_size(), rank_device()
+    model = models.build_model(cfg.model, seed=cfg.seed, **cfg.model_sizes).to(device)
+    wrapped = wrap_model(kind, model)
+    optimizer = make_optimizer(cfg, wrapped.parameters())
+    data = models.make_dataset(cfg.model, cfg.batch_size * world, seed=cfg.seed + 1, **cfg.model_sizes)
+    x, y = (t[rank * cfg.batch_size:(rank + 1) * cfg.batch_size].to(device) for t in data.tensors)
+
+    def flat():
+        return torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()])
+
+    out = []
+    for _ in range(steps):
+        before = flat()
+        models.loss_fn(cfg.model, wrapped(x), y).backward()
+        out.append({"before_backward": before, "after_backward": flat()})
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return out

@@ -8,27 +8,28 @@ compute, the ranks all-gather the shards into ``full`` (in ``compute_dtype``); t
 parameters become views of ``full``; afterwards ``full``'s storage is freed (resized to 0
 bytes) and refilled for backward. A replicated unit (``sharded=False``) keeps the whole flat
 tensor on every rank and all-reduces its gradient instead.
+
+Collectives go through ``comm_hook(collective, output, input, name) -> Work``, which the
+wrapper passes in (``MiniFSDP.comm_hook``), so that another collective or an observer
+can take their place.
 """
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
-
-from .timeline import COMM, COMPUTE, WAIT
 
 
 class FlatUnit:
     """The flat parameter of one unit: its shard (fp32 master), its gathered copy, its views."""
 
     def __init__(self, name: str, params: list, owners: list, sharded: bool, compute_dtype,
-                 group, reduce_scatter: str = "backend"):
+                 group):
         """params: the unit's parameters; owners[i]: [(module, attribute)] where params[i] lives."""
         self.name, self.params_names = name, [n for n, _ in params]
-        self.sharded, self.group, self.reduce_scatter = sharded, group, reduce_scatter
+        self.sharded, self.group = sharded, group
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         tensors = [p for _, p in params]
         self.requires_grad = tensors[0].requires_grad
@@ -56,38 +57,31 @@ class FlatUnit:
         return self.padded * self.full.element_size()
 
     # --- parameters ---------------------------------------------------------------------
-    def gather(self, timeline=None) -> None:
-        """Fill ``full`` from every rank's shard (all-gather; blocking) and point the module's
-        parameters at views of it, created under autograd so gradients flow into ``full``."""
-        start = time.perf_counter()
+    def gather(self, comm_hook) -> None:
+        """Fill ``full`` from every rank's shard (an all-gather, waited for)."""
         self.full.untyped_storage().resize_(self.full_nbytes)
         source = self.shard.detach().to(self.dtype)
         # write through .data: refilling the storage must not look like an in-place change
         # of tensors autograd saved (the views) -- what FSDP1 does too
         if self.sharded:
-            dist.all_gather_single(self.full.data, source, group=self.group)
+            comm_hook("all_gather", self.full.data, source, self.name).wait()
         else:
             self.full.data.copy_(source)
         self.gathered = True
-        if timeline is not None and self.sharded:
-            timeline.add(COMM, "all_gather", self.name, start, nbytes=self.full_nbytes)
-            timeline.add(COMPUTE, WAIT, f"all_gather {self.name}", start)
-        self.held_since = start
 
     def set_views(self) -> None:
-        """Make every owner's attribute a view of ``full`` (call under the forward's grad mode)."""
+        """Make every owner's attribute a view of ``full`` (call under the forward's grad mode,
+        so that the views are created under autograd and gradients flow into ``full``)."""
         views = self.full.split(self.numels + [self.padded - self.numel])
         for view, shape, owners in zip(views, self.shapes, self.owners):
             v = view.view(shape)
             for module, attr in owners:
                 module.__dict__[attr] = v
 
-    def free(self, timeline=None) -> None:
+    def free(self) -> None:
         """Release ``full``'s memory (its storage shrinks to 0 bytes; autograd's saved views
         keep pointing at it and see the data again after the next ``gather``)."""
         self.full.untyped_storage().resize_(0)
-        if self.gathered and timeline is not None:
-            timeline.add("memory", "unsharded", self.name, self.held_since)
         self.gathered = False
         placeholder = torch.empty(0, dtype=self.dtype, device=self.full.device)
         for owners in self.owners:
@@ -95,46 +89,26 @@ class FlatUnit:
                 module.__dict__[attr] = placeholder  # the full parameter is gone
 
     # --- gradients -----------------------------------------------------------------------
-    def reduce_gradient(self, timeline=None) -> None:
-        """Average ``full.grad`` over ranks into this rank's shard (reduce-scatter, or an
-        all-reduce for a replicated unit); asynchronous unless ``reduce_scatter="ring"``."""
+    def reduce_gradient(self, comm_hook) -> None:
+        """Start averaging ``full.grad`` over ranks into this rank's shard of it (a
+        reduce-scatter, or an all-reduce for a replicated unit)."""
         grad = self.full.grad
         self.full.grad = None
         grad.div_(self.world_size)  # divide before summing: no overflow in half precision
-        start = time.perf_counter()
-        nbytes = grad.numel() * grad.element_size()
-        if not self.sharded:
-            work = dist.all_reduce(grad, group=self.group, async_op=True)
-            self.pending.append((work, grad, grad))
-            kind = "all_reduce"
-        elif self.reduce_scatter == "ring":
-            from ..collectives import ring_reduce_scatter
-
-            out = ring_reduce_scatter(grad, op="sum", group=self.group)  # blocking, in place
-            self.pending.append((None, out, grad))
-            if timeline is not None:
-                timeline.add(COMM, "reduce_scatter", self.name, start, nbytes=nbytes)
-                timeline.add(COMPUTE, WAIT, f"reduce_scatter {self.name}", start)
-            return
-        else:
+        if self.sharded:
             out = torch.empty(self.shard.numel(), dtype=grad.dtype, device=grad.device)
-            work = dist.reduce_scatter_single(out, grad, group=self.group, async_op=True)
-            self.pending.append((work, out, grad))  # the input must live until the work is done
-            kind = "reduce_scatter"
-        if timeline is not None:
-            timeline.comm(work, kind, self.name, nbytes, start)
+            work = comm_hook("reduce_scatter", out, grad, self.name)
+        else:
+            out, work = grad, comm_hook("all_reduce", grad, grad, self.name)
+        self.pending.append((work, out, grad))  # the input must live until the work is done
 
     def finish_gradient(self) -> None:
         """Wait for the reductions (one per backward through this unit since the last call)
-        and add their results (fp32) to the shard's gradient."""
+        and add their results, in fp32, to the shard's gradient."""
         pending, self.pending = self.pending, []
         for work, out, _ in pending:
-            if work is not None:
-                work.wait()
-            # keep the result as it is when it is already an fp32 tensor of its own, else copy
-            # (half precision -> fp32 master gradient; the ring's result is a view of full.grad)
-            own = out.dtype == torch.float32 and out.untyped_storage().nbytes() == out.numel() * 4
-            grad = out if own else out.to(torch.float32, copy=True)
+            work.wait()
+            grad = out.float()  # half precision -> fp32 master gradient (fp32: the same tensor)
             if self.shard.grad is None:
                 self.shard.grad = grad
             else:

@@ -19,17 +19,18 @@ forward to backward.
 
 ``compute_dtype`` (e.g. torch.bfloat16): gather and compute in that dtype, reduce the
 gradients in it, and keep fp32 master shards and fp32 shard gradients -- FSDP's
-``MixedPrecision(param_dtype=..., reduce_dtype=...)``. ``reduce_scatter="ring"`` reduces
-gradients with our own ring (``dpcourse.collectives``) instead of the backend's.
+``MixedPrecision(param_dtype=..., reduce_dtype=...)``.
 
 Surface: ``.module``, ``no_sync()``, ``finish_gradient_synchronization()``, and
 ``gather_full_params()`` (full fp32 parameters under the unwrapped module's names). The
 optimizer must be built on the wrapper's parameters, after wrapping: they are the shards.
+Its steps are public methods -- ``pre_forward``, ``post_forward``, ``pre_backward``,
+``post_backward`` (per unit) and ``comm_hook`` (every collective) -- so that a subclass
+or an observer (``dpcourse.scratch.observe``) can use them, as with DDP's comm hooks.
 """
 from __future__ import annotations
 
 import contextlib
-import time
 
 import torch
 import torch.distributed as dist
@@ -38,7 +39,6 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from .ddp import broadcast_parameters_and_buffers
 from .flat import FlatUnit
-from .timeline import COMPUTE, WAIT
 
 
 def _policy(wrap):
@@ -64,32 +64,29 @@ class MiniFSDP(nn.Module):
     """Shards each wrapped unit's parameters 1/N per rank; gathers them only to compute."""
 
     def __init__(self, module: nn.Module, wrap=None, compute_dtype: torch.dtype | None = None,
-                 reduce_scatter: str = "backend", shard_root: bool = False, group=None, timeline=None):
+                 shard_root: bool = False, group=None):
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("MiniFSDP needs a process group: run it on the ranks of a dpc.Cluster "
                                "(cluster.run(fn)) or after dist.init_process_group")
-        if reduce_scatter not in ("backend", "ring"):
-            raise ValueError(f"reduce_scatter must be 'backend' (the process group's) or 'ring' "
-                             f"(dpcourse.collectives), not {reduce_scatter!r}")
         if compute_dtype is not None and not compute_dtype.is_floating_point:
             raise ValueError(f"compute_dtype must be a floating-point dtype, not {compute_dtype}")
-        self.module, self.compute_dtype, self.timeline = module, compute_dtype, timeline
+        self.module, self.compute_dtype, self.group = module, compute_dtype, group
         self.world_size = dist.get_world_size(group)
         broadcast_parameters_and_buffers(module, group=group)  # ranks may have other seeds
         self._names = [n for n, _ in module.named_parameters()]
-        self.units = self._make_units(module, _policy(wrap), compute_dtype, group, reduce_scatter, shard_root)
+        self.units = self._make_units(module, _policy(wrap), compute_dtype, group, shard_root)
         self.flat_params = nn.ParameterList([u.shard for u in self.units])
-        self._unit_of = {}
+        # self.<step> is looked up at each call, so a subclass or an observer can replace it
         for unit in self.units:
-            unit.module.register_forward_pre_hook(lambda m, args, u=unit: self._pre_forward(u))
-            unit.module.register_forward_hook(lambda m, args, out, u=unit: self._post_forward(u, out))
+            unit.module.register_forward_pre_hook(lambda m, args, u=unit: self.pre_forward(u))
+            unit.module.register_forward_hook(lambda m, args, out, u=unit: self.post_forward(u, out))
             if unit.requires_grad:
-                unit.full.register_post_accumulate_grad_hook(lambda t, u=unit: self._post_backward(u))
+                unit.full.register_post_accumulate_grad_hook(lambda t, u=unit: self.post_backward(u))
         self._callback_queued = False
         self.require_backward_grad_sync = True
 
-    def _make_units(self, module, predicate, compute_dtype, group, reduce_scatter, shard_root) -> list[FlatUnit]:
+    def _make_units(self, module, predicate, compute_dtype, group, shard_root) -> list[FlatUnit]:
         owners = {}  # id(param) -> [(module, attribute)], every place the tensor is registered
         for m in module.modules():
             for attr, p in m._parameters.items():
@@ -123,13 +120,24 @@ class MiniFSDP(nn.Module):
             # the root's leftovers are replicated, unless the root is wrapped or is the only unit
             sharded = m is not module or shard_root or predicate(module) or len(unit_modules) == 1
             unit = FlatUnit(label, params, [owners[id(p)] for _, p in params], sharded,
-                            compute_dtype, group, reduce_scatter)
+                            compute_dtype, group)
             unit.module, unit.is_root, unit.backward_started = m, m is module, False
             units.append(unit)
         for m in module.modules():
             for attr in [a for a, p in m._parameters.items() if p is not None]:
                 del m._parameters[attr]  # the flat tensors own the data now
         return units
+
+    # --- communication ----------------------------------------------------------------
+    def comm_hook(self, collective: str, output: torch.Tensor, input: torch.Tensor, name: str):
+        """Start one collective of unit ``name`` and return its async ``Work``: "all_gather"
+        (every rank's ``input`` shard into ``output``), "reduce_scatter" (this rank's chunk
+        of the sum of ``input`` into ``output``) or "all_reduce" (``input`` is ``output``)."""
+        if collective == "all_gather":
+            return dist.all_gather_single(output, input, group=self.group, async_op=True)
+        if collective == "reduce_scatter":
+            return dist.reduce_scatter_single(output, input, group=self.group, async_op=True)
+        return dist.all_reduce(output, group=self.group, async_op=True)
 
     # --- forward ----------------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -140,28 +148,25 @@ class MiniFSDP(nn.Module):
             args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
         return self.module(*args, **kwargs)
 
-    def _pre_forward(self, unit: FlatUnit) -> None:
-        unit.gather(self.timeline)  # always: the shards changed since the last gather
+    def pre_forward(self, unit: FlatUnit) -> None:
+        """Before a unit's forward: gather its parameters (always: the shards changed)."""
+        unit.gather(self.comm_hook)
         unit.set_views()
         unit.backward_started = False
-        unit.forward_start = time.perf_counter()
 
-    def _span(self, kind: str, unit: FlatUnit, start: float) -> None:
-        # the root's span would cover the whole pass when it has child units: leave it out
-        if self.timeline is not None and not (unit.is_root and len(self.units) > 1):
-            self.timeline.add(COMPUTE, kind, unit.name, start)
-
-    def _post_forward(self, unit: FlatUnit, output) -> None:
-        self._span("forward", unit, unit.forward_start)
+    def post_forward(self, unit: FlatUnit, output) -> None:
+        """After a unit's forward: free its parameters (the root keeps them for backward)
+        and hook its output, whose gradient arriving means the unit's backward begins."""
         if not unit.is_root or not torch.is_grad_enabled():
-            unit.free(self.timeline)
+            unit.free()
         if torch.is_grad_enabled():
             for t in tree_flatten(output)[0]:
                 if torch.is_tensor(t) and t.requires_grad:
-                    t.register_hook(lambda grad, u=unit: self._pre_backward(u))
+                    t.register_hook(lambda grad, u=unit: self.pre_backward(u))
 
     # --- backward ---------------------------------------------------------------------
-    def _pre_backward(self, unit: FlatUnit) -> None:
+    def pre_backward(self, unit: FlatUnit) -> None:
+        """Before a unit's backward: gather its parameters again (once per backward)."""
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
@@ -169,15 +174,14 @@ class MiniFSDP(nn.Module):
             return
         unit.backward_started = True
         if not unit.gathered:
-            unit.gather(self.timeline)  # refills the storage the saved views point at
-        unit.backward_start = time.perf_counter()
+            unit.gather(self.comm_hook)  # refills the storage the saved views point at
 
-    def _post_backward(self, unit: FlatUnit) -> None:
-        # post-accumulate-grad hook: the unit's gradient (unit.full.grad) is complete
-        self._span("backward", unit, getattr(unit, "backward_start", time.perf_counter()))
-        unit.free(self.timeline)
+    def post_backward(self, unit: FlatUnit) -> None:
+        """The unit's gradient (``unit.full.grad``) is complete: free the parameters and
+        start reducing the gradient (post-accumulate-grad hook on ``unit.full``)."""
+        unit.free()
         if self.require_backward_grad_sync:
-            unit.reduce_gradient(self.timeline)
+            unit.reduce_gradient(self.comm_hook)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -192,14 +196,11 @@ class MiniFSDP(nn.Module):
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False
-        start = time.perf_counter()
         self.finish_gradient_synchronization()
         for unit in self.units:
             unit.backward_started = False
             if unit.gathered:
-                unit.free(self.timeline)
-        if self.timeline is not None:
-            self.timeline.add(COMPUTE, WAIT, "gradient sync", start)
+                unit.free()
 
     def finish_gradient_synchronization(self) -> None:
         """Wait for every outstanding gradient reduction; harmless if none is in flight."""

@@ -1,4 +1,5 @@
-"""Record timelines of modules we did not write: per-layer backward, torch DDP's buckets, FSDP1.
+"""Record timelines from outside: per-layer backward, the collectives of torch DDP, FSDP1 and
+of the from-scratch wrappers, through the hooks each of them offers.
 
 * ``BackwardObserver(module, timeline)``: for each layer (a module with parameters of its
   own), a "backward" span from the moment its output gradient arrives (a tensor hook on
@@ -12,6 +13,13 @@
   CPU; inside ``with observer:`` those calls are timed, and each unit's forward and
   backward recorded from module hooks. FSDP1 frees unsharded parameters inside its
   internals, with no hook to see it, so "free" is not observed.
+* ``observe_comm_hook(wrapper, timeline)``: NaiveDDP, OverlapDDP and BucketedDDP send
+  every all-reduce through their public ``comm_hook(tensor, name)``; this wraps it and
+  records each collective from launch to completion, as for torch DDP above.
+* ``MiniFSDPObserver(fsdp, timeline)``: wraps MiniFSDP's public steps (``pre_forward``,
+  ``post_forward``, ``pre_backward``, ``post_backward``, ``comm_hook``) and each unit's
+  ``gather``/``free``: compute spans, collectives, the waits for them, and how long each
+  unit's gathered parameters lived.
 """
 from __future__ import annotations
 
@@ -189,3 +197,96 @@ class FSDP1Observer:
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
+
+
+def observe_comm_hook(wrapper, timeline) -> None:
+    """Record every all-reduce a from-scratch DDP wrapper launches through ``comm_hook``."""
+    hook = wrapper.comm_hook
+
+    def timed(tensor, name):
+        start = time.perf_counter()
+        return timeline.comm(hook(tensor, name), "all_reduce", name,
+                             tensor.numel() * tensor.element_size(), start)
+
+    wrapper.comm_hook = timed  # an instance attribute: found before the class's method
+
+
+class _RecordedWait:
+    """A ``Work`` whose ``wait()`` is recorded as a compute "wait" span."""
+
+    def __init__(self, work, timeline, name: str):
+        self.work, self.timeline, self.name = work, timeline, name
+
+    def wait(self):
+        start = time.perf_counter()
+        result = self.work.wait()
+        self.timeline.add(COMPUTE, WAIT, self.name, start)
+        return result
+
+
+class MiniFSDPObserver:
+    """Forward/backward spans per unit, collectives, waits and gathered lifetimes of MiniFSDP.
+
+    The root's compute spans are left out when there are other units (they would cover the
+    whole pass). A unit's "unsharded" span runs from its ``gather`` call to its ``free``.
+    """
+
+    def __init__(self, fsdp, timeline):
+        self.timeline, self.several = timeline, len(fsdp.units) > 1
+        self._start, self._held = {}, {}
+        steps = {n: getattr(fsdp, n) for n in ("pre_forward", "post_forward", "pre_backward",
+                                               "post_backward", "comm_hook")}
+
+        def pre_forward(unit):
+            steps["pre_forward"](unit)
+            self._start[unit.name] = time.perf_counter()
+
+        def post_forward(unit, output):
+            self._compute("forward", unit)
+            steps["post_forward"](unit, output)
+
+        def pre_backward(unit):
+            first = not unit.backward_started
+            steps["pre_backward"](unit)
+            if first:
+                self._start[unit.name] = time.perf_counter()
+
+        def post_backward(unit):
+            self._compute("backward", unit)
+            steps["post_backward"](unit)
+
+        def comm_hook(collective, output, input, name):
+            start = time.perf_counter()
+            nbytes = max(t.numel() * t.element_size() for t in (output, input))
+            work = timeline.comm(steps["comm_hook"](collective, output, input, name),
+                                 collective, name, nbytes, start)
+            return _RecordedWait(work, timeline, f"{collective} {name}")
+
+        fsdp.pre_forward, fsdp.post_forward = pre_forward, post_forward
+        fsdp.pre_backward, fsdp.post_backward, fsdp.comm_hook = pre_backward, post_backward, comm_hook
+        for unit in fsdp.units:
+            unit.gather, unit.free = self._gather(unit), self._free(unit)
+
+    def _compute(self, kind, unit):
+        start = self._start.pop(unit.name, None)
+        if start is not None and not (unit.is_root and self.several):
+            self.timeline.add(COMPUTE, kind, unit.name, start)
+
+    def _gather(self, unit):
+        gather = unit.gather
+
+        def timed(comm_hook):
+            start = time.perf_counter()
+            gather(comm_hook)
+            self._held[unit.name] = start
+        return timed
+
+    def _free(self, unit):
+        free = unit.free
+
+        def timed():
+            start = self._held.pop(unit.name, None)
+            if unit.gathered and start is not None:
+                self.timeline.add("memory", "unsharded", unit.name, start)
+            free()
+        return timed

@@ -72,6 +72,38 @@ def bucket_bytes(param_numels, bucket_cap_mb: float, itemsize: int = 4) -> list[
             for b in assign_buckets(numels, [itemsize] * len(numels), bucket_cap_mb)]
 
 
+def torch_ddp_buckets(cfg, iterations: int = 2, bucket_cap_mb: float | None = None) -> list[list[list[str]]]:
+    """On every rank together: the buckets torch DDP all-reduces in each of ``iterations``
+    backward passes of ``cfg.model``, as lists of parameter names (bucket 0 first), seen
+    by a comm hook that does what the default hook does. ``bucket_cap_mb=None``: DDP's
+    defaults (25 MiB, and ``dist._DEFAULT_FIRST_BUCKET_BYTES`` for the first bucket)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from .. import models
+    from ..backends import rank_device
+
+    device = rank_device()  # the CPU under Gloo, this rank's GPU under NCCL
+    model = models.build_model(cfg.model, seed=cfg.seed, **cfg.model_sizes).to(device)
+    names = {p: n for n, p in model.named_parameters()}
+    seen: dict[int, list[str]] = {}
+
+    def hook(state, bucket):
+        seen[bucket.index()] = [names[p] for p in bucket.parameters()]
+        tensor = bucket.buffer().div_(dist.get_world_size())
+        return dist.all_reduce(tensor, async_op=True).get_future().then(lambda f: f.value()[0])
+
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+              bucket_cap_mb=bucket_cap_mb)
+    ddp.register_comm_hook(None, hook)
+    x, y = models.make_dataset(cfg.model, cfg.batch_size, seed=cfg.seed + 1, **cfg.model_sizes).tensors
+    per_iteration = []
+    for _ in range(iterations):
+        seen.clear()
+        models.loss_fn(cfg.model, ddp(x.to(device)), y.to(device)).backward()
+        per_iteration.append([seen[i] for i in sorted(seen)])
+    return per_iteration
+
+
 def bucket_sweep(cfg, caps_mb, kinds=("bucketed", "torch_ddp"), record_steps: int = 3) -> list[dict]:
     """On every rank together: per (kind, cap), train ``cfg.steps`` steps recording the last
     ``record_steps``; this rank's figures per step: seconds (median over the recorded

@@ -1,6 +1,7 @@
 """Per-rank timelines: what each rank computed and communicated, and when. Pure data.
 
-A wrapper given a ``Timeline`` appends ``Event``s as it works: compute spans (a layer's
+Observers (``dpcourse.scratch.observe``) append ``Event``s to a ``Timeline`` while a
+wrapper works, attached from outside through its hooks: compute spans (a layer's
 backward, a unit's forward, time blocked waiting for communication) and communication
 spans (a bucket's all-reduce from launch to completion, an FSDP unit's all-gather or
 reduce-scatter). The kernel merges the ranks' events and draws them (``dpcourse.viz``);
@@ -79,6 +80,9 @@ class Timeline:
         gives no future (Gloo's reduce-scatter), a helper thread waits for the work.
         """
         record = lambda *_: self.add(COMM, kind, name, start, nbytes=nbytes)  # noqa: E731
+        if not hasattr(work, "get_future"):  # a hook may return a torch.futures.Future itself
+            work.then(record)
+            return work
         try:
             work.get_future().then(record)
         except RuntimeError:  # Gloo's reduce-scatter has no future: a thread waits instead
@@ -160,19 +164,3 @@ def hidden_fraction(events, rank: int | None = None) -> float:
     waiting: 1 - exposed / in flight. 1.0 when there was no communication at all."""
     busy = comm_seconds(events, rank)
     return 1.0 if busy == 0 else max(0.0, 1.0 - exposed_seconds(events, rank) / busy)
-
-
-def stack_rows(events) -> list[int]:
-    """A row per event so that overlapping events of one rank and lane never share a row
-    (greedy interval colouring, in order of start); for drawing concurrent collectives."""
-    rows, ends = [0] * len(events), {}
-    for i in sorted(range(len(events)), key=lambda i: events[i].start):
-        e = events[i]
-        lane_ends = ends.setdefault((e.rank, e.lane), [])
-        row = next((k for k, end in enumerate(lane_ends) if end <= e.start), len(lane_ends))
-        if row == len(lane_ends):
-            lane_ends.append(e.end)
-        else:
-            lane_ends[row] = e.end
-        rows[i] = row
-    return rows

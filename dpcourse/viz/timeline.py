@@ -1,10 +1,12 @@
 """Drawing timelines: a Gantt chart per rank, and the bucket-size sweep. Pure drawing.
 
-Draws ``dpcourse.scratch.timeline`` events (and sweep rows) that the ranks recorded; it
-never starts processes. Each rank gets a "compute" lane (forward, per-layer backward,
-optimizer; red where it waits for communication), a "comm" lane (one bar per collective
-from launch to completion, stacked when several are in flight) and, for FSDP, a "memory"
-lane (how long each unit's gathered parameters lived: from all-gather to free).
+Draws the events the ranks recorded (anything with ``rank``, ``lane``, ``kind``, ``name``,
+``start`` and ``end``, e.g. ``dpcourse.scratch.timeline.Event``) and sweep rows; it never
+starts processes, and computes nothing but the layout (``stack_rows``). Each rank gets a
+"compute" lane (forward, per-layer backward, optimizer; red where it waits for
+communication), a "comm" lane (one bar per collective from launch to completion, stacked
+when several are in flight) and, for FSDP, a "memory" lane (how long each unit's gathered
+parameters lived: from gather to free).
 """
 from __future__ import annotations
 
@@ -16,10 +18,20 @@ KIND_COLORS = {"forward": "#9ecae1", "backward": "#3182bd", "optimizer": "#96969
 LANES = ("compute", "comm", "memory")
 
 
-def _rows(events):
-    from dpcourse.scratch.timeline import stack_rows
-
-    return stack_rows(events)
+def stack_rows(events) -> list[int]:
+    """A row per event so that overlapping events of one rank and lane never share a row
+    (greedy interval colouring, in order of start); for drawing concurrent collectives."""
+    rows, ends = [0] * len(events), {}
+    for i in sorted(range(len(events)), key=lambda i: events[i].start):
+        e = events[i]
+        lane_ends = ends.setdefault((e.rank, e.lane), [])
+        row = next((k for k, end in enumerate(lane_ends) if end <= e.start), len(lane_ends))
+        if row == len(lane_ends):
+            lane_ends.append(e.end)
+        else:
+            lane_ends[row] = e.end
+        rows[i] = row
+    return rows
 
 
 def draw_timeline(events, ax=None, title: str = "", unit: str = "ms", label_min: float = 0.06):
@@ -33,7 +45,7 @@ def draw_timeline(events, ax=None, title: str = "", unit: str = "ms", label_min:
 
     scale = {"ms": 1e3, "s": 1.0}[unit]
     events = [e for e in events if e.end >= e.start]
-    rows = _rows(events)
+    rows = stack_rows(events)
     ranks = sorted({e.rank for e in events})
     depth = {}  # (rank, lane) -> rows used
     for e, r in zip(events, rows):
@@ -81,7 +93,7 @@ def draw_bucket_sweep(rows, predicted=None, ax=None, title: str = "bucket-size s
     import matplotlib.pyplot as plt
 
     if ax is None:
-        _, ax = plt.subplots(figsize=(8, 4))
+        _, ax = plt.subplots(figsize=(9.5, 4))
     styles = {"bucketed": ("#3182bd", "BucketedDDP"), "torch_ddp": ("#e6550d", "torch DDP")}
     for kind in sorted({r["kind"] for r in rows}):
         mine = sorted((r for r in rows if r["kind"] == kind), key=lambda r: r["bucket_cap_mb"])
@@ -101,6 +113,8 @@ def draw_bucket_sweep(rows, predicted=None, ax=None, title: str = "bucket-size s
     ax.set_xscale("log")
     ax.set_xlabel("bucket_cap_mb (MiB; numbers: buckets)")
     ax.set_ylabel("ms per step")
-    ax.legend(fontsize=7)
+    ax.margins(y=0.12)  # room for the bucket counts above the highest points
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside: never on a label
     ax.set_title(title, fontsize=10)
+    ax.figure.tight_layout()
     return ax
