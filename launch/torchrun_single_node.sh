@@ -5,18 +5,28 @@
 #
 # Arguments go to `python -m dpcourse.train` (see --help there). Environment overrides:
 #   NPROC_PER_NODE  processes (default: the number of GPUs, else 2 CPU processes on Gloo)
+#   MAX_RESTARTS    times torchrun's elastic agent restarts ALL workers after one fails
+#                   (default 0); pair it with --checkpoint-every N --resume auto
 #   TORCHRUN        the torchrun command (default: torchrun)
 #   DRY_RUN=1       print the command instead of running it
 set -euo pipefail
 TORCHRUN=${TORCHRUN:-torchrun}
+MAX_RESTARTS=${MAX_RESTARTS:-0}
 if [ -z "${NPROC_PER_NODE:-}" ]; then
   NPROC_PER_NODE=$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU' || true)
   [ "$NPROC_PER_NODE" -gt 0 ] || NPROC_PER_NODE=2
 fi
 # shellcheck disable=SC2206  # TORCHRUN may be several words, e.g. "python -m torch.distributed.run"
-cmd=($TORCHRUN --standalone --nproc_per_node="$NPROC_PER_NODE" -m dpcourse.train "$@")
+cmd=($TORCHRUN --standalone --nproc_per_node="$NPROC_PER_NODE" --max-restarts="$MAX_RESTARTS"
+     -m dpcourse.train "$@")
+if [ "$MAX_RESTARTS" -gt 0 ]; then
+  # torchrun keeps one TCP store for all restarts, so a restarted worker can read the previous
+  # attempt's Gloo/NCCL addresses from it and fail ("Connection refused"; 3 of 5 restarts
+  # here, pytorch/pytorch#135712). A fresh store per attempt avoids it (0 of 11 failed).
+  export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
+fi
 if [ "${DRY_RUN:-0}" = 1 ]; then
-  echo "${cmd[*]}"
+  echo "${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:+TORCH_DISABLE_SHARE_RDZV_TCP_STORE=$TORCH_DISABLE_SHARE_RDZV_TCP_STORE }${cmd[*]}"
   exit 0
 fi
 exec "${cmd[@]}"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dpcourse.pool.procs import free_port
+from dpcourse import free_port
 from dpcourse.train import TrainConfig, train_single_process
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -20,7 +20,9 @@ pytestmark = pytest.mark.timeout(300)
 
 def _env(**extra) -> dict:
     env = {**os.environ, "TORCHRUN": f"{sys.executable} -m torch.distributed.run", **extra}
-    env.pop("RANK", None)
+    for name in ("RANK", "MAX_RESTARTS", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"):
+        if name not in extra:
+            env.pop(name, None)
     return env
 
 
@@ -32,10 +34,13 @@ def _run(args, timeout=120, **env):
 
 @pytest.mark.parametrize("script, env, expected", [
     ("torchrun_single_node.sh", dict(NPROC_PER_NODE="4"),
-     "{T} --standalone --nproc_per_node=4 -m dpcourse.train --strategy fsdp"),
+     "{T} --standalone --nproc_per_node=4 --max-restarts=0 -m dpcourse.train --strategy fsdp"),
+    ("torchrun_single_node.sh", dict(NPROC_PER_NODE="2", MAX_RESTARTS="3"),
+     "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 {T} --standalone --nproc_per_node=2 --max-restarts=3 "
+     "-m dpcourse.train --strategy fsdp"),
     ("torchrun_multi_node.sh", dict(NNODES="2", NPROC_PER_NODE="8", RDZV_ENDPOINT="node001:29500", RDZV_ID="j1"),
      "{T} --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=node001:29500 --rdzv_id=j1 "
-     "-m dpcourse.train --strategy fsdp"),
+     "--max-restarts=0 -m dpcourse.train --strategy fsdp"),
 ])
 def test_dry_runs_print_the_torchrun_command(script, env, expected):
     proc = _run([str(LAUNCH / script), "--strategy", "fsdp"], DRY_RUN="1", **env)
@@ -51,7 +56,8 @@ def test_slurm_dry_run_puts_the_rendezvous_on_the_head_node():
     lines = proc.stdout.strip().splitlines()
     assert lines[0] == f"srun --nodes=2 --ntasks-per-node=1 {LAUNCH}/torchrun_multi_node.sh --strategy fsdp"
     assert lines[1] == ("each node runs: torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d "
-                        "--rdzv_endpoint=node001:29500 --rdzv_id=42 -m dpcourse.train --strategy fsdp")
+                        "--rdzv_endpoint=node001:29500 --rdzv_id=42 --max-restarts=0 -m dpcourse.train "
+                        "--strategy fsdp")
 
 
 def test_missing_settings_are_named():
@@ -61,10 +67,39 @@ def test_missing_settings_are_named():
 
 def test_cli_rejects_bad_options_before_starting():
     proc = _run([sys.executable, "-m", "dpcourse.train", "--strategy", "zero"])
-    assert proc.returncode == 2 and "unknown strategy 'zero'" in proc.stderr
+    assert proc.returncode == 2 and "invalid choice: 'zero' (choose from" in proc.stderr
+    proc = _run([sys.executable, "-m", "dpcourse.train", "--checkpoint-every", "5"])
+    assert proc.returncode == 2 and "checkpoint_every needs checkpoint_dir" in proc.stderr
     if not torch.cuda.is_available():
         proc = _run([sys.executable, "-m", "dpcourse.train", "--backend", "nccl"])
-        assert proc.returncode == 2 and "nccl needs CUDA GPUs" in proc.stderr
+        assert proc.returncode == 2 and "needs one CUDA device per rank" in proc.stderr
+
+
+def test_every_cli_option_says_its_meaning_choices_and_default():
+    from dpcourse.train.config import CHOICES, make_parser
+
+    parser = make_parser()
+    options = [a for a in parser._actions if a.dest != "help"]
+    assert {a.dest for a in options} == set(TrainConfig.__dataclass_fields__)
+    for action in options:
+        assert action.help and "%(default)" in action.help, f"{action.option_strings[0]}: no default in help"
+        assert len(action.help) > 30, f"{action.option_strings[0]}: say what it means"
+        if action.dest in CHOICES:
+            assert tuple(action.choices) == CHOICES[action.dest]
+            assert all(choice in action.help for choice in action.choices), action.dest
+    proc = _run([sys.executable, "-m", "dpcourse.train", "--help"])
+    assert proc.returncode == 0, proc.stderr
+    assert "--strategy {ddp,fsdp,fsdp2}" in proc.stdout and "default ddp" in proc.stdout
+    assert "%(" not in proc.stdout  # every placeholder was filled
+
+
+def test_resume_and_checkpoint_flags_parse():
+    from dpcourse.train import parse_args
+
+    assert parse_args([]).resume is None
+    assert parse_args(["--resume"]).resume == "latest"
+    cfg = parse_args(["--resume", "auto", "--checkpoint-every", "5", "--keep-checkpoints", "3"])
+    assert (cfg.resume, cfg.checkpoint_every, cfg.keep_checkpoints) == ("auto", 5, 3)
 
 
 def _losses(path: Path) -> list[list[float]]:
