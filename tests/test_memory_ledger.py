@@ -8,7 +8,7 @@ import pytest
 import dpcourse as dpc
 from dpcourse import models
 from dpcourse.memory import layout, ledger
-from dpcourse.memory.ledger import LedgerError
+from dpcourse.memory.ledger import AT_REST, LedgerError
 
 GB = 10**9
 ZERO = {"zero1": "P_os", "zero2": "P_os+g", "zero3": "P_os+g+p"}
@@ -69,6 +69,23 @@ def test_bytes_per_parameter_by_optimizer_and_precision(optimizer, k_mixed, k_fp
     assert mixed.total == (2 + 2 + k_mixed) * psi
     fp32 = ledger(psi, 1, "ddp", "fp32", optimizer, gradient_as_bucket_view=True)
     assert fp32.total == (4 + 4 + k_fp32) * psi and fp32.bytes["master_weights"] == 0
+
+
+def test_ddp_under_autocast_beside_zero_fp16_layout():
+    """Both hold 16 bytes per parameter with Adam, split differently: ZeRO's fp16 layout
+    2 + 2 + 12 (fp32 master copy in the optimizer state), DDP + torch.autocast 4 + 4 + 8 (the
+    fp32 parameters are the master copy) and 2 more bytes per parameter only during forward."""
+    psi = 7_500_000_000
+    zero = ledger(psi, 64, "ddp", "mixed", gradient_as_bucket_view=True)
+    amp = ledger(psi, 64, "ddp", "autocast", gradient_as_bucket_view=True)
+    assert [zero.bytes[c] // psi for c in AT_REST] == [2, 2, 8, 4, 0]
+    assert [amp.bytes[c] // psi for c in AT_REST] == [4, 4, 8, 0, 0]
+    assert zero.total == amp.total == 16 * psi
+    assert amp.phases["forward"]["temporaries"] == 2 * psi and zero.phases["forward"]["temporaries"] == 0
+    assert amp.phases["at rest"] == amp.at_rest()  # the copies are gone between steps
+    assert ledger(psi, 64, "ddp", "autocast").bytes["bucket_buffers"] == 4 * psi  # fp32 buckets
+    with pytest.raises(LedgerError, match="use precision='mixed'"):
+        ledger(psi, 64, "FULL_SHARD", "autocast")
 
 
 def test_ddp_buckets_double_the_gradients_unless_they_are_views():
@@ -187,10 +204,57 @@ def test_bad_input_is_named_with_its_fix(call, message):
         call()
 
 
-def test_fit_and_rule_of_thumb():
+def test_fit_table():
     psi, device = 7_500_000_000, 32 * GB
     rows = {r["strategy"]: r for r in dpc.memory.fit_table(psi, 64, device, units=dpc.memory.fit.equal_units(psi, 32))}
     assert not rows["ddp"]["fits"] and rows["zero3"]["fits"] and rows["FULL_SHARD"]["fits"]
+
+
+RULE = {False: ("ddp", "SHARD_GRAD_OP", "FULL_SHARD"), True: ("ddp", "HYBRID_SHARD", "FULL_SHARD")}
+
+
+def first_that_fits(psi, world, device, acts, per_node=8):
+    """The rule spelled out on the ledger: the first candidate whose peak fits, or "none"."""
+    multi = world > per_node and world % per_node == 0
+    units = dpc.memory.fit.equal_units(psi, 32)
+    for strategy in RULE[multi]:
+        group = per_node if strategy == "HYBRID_SHARD" else None
+        if ledger(psi, world, strategy, "mixed", units=units, shard_group_size=group,
+                  activation_bytes=acts).peak <= device:
+            return strategy
+    return "none"
+
+
+# The notebook's cases: (billions of parameters, ranks, GB of activations per rank) -> choice.
+CASES = {(1, 8, 10): "ddp", (7.5, 8, 10): "SHARD_GRAD_OP", (7.5, 8, 60): "FULL_SHARD",
+         (30, 8, 10): "FULL_SHARD", (70, 8, 10): "none", (30, 64, 10): "HYBRID_SHARD",
+         (70, 64, 10): "FULL_SHARD"}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_recommend_follows_the_rule(case):
+    billions, world, acts_gb = case
+    psi, acts = int(billions * 1e9), int(acts_gb * GB)
+    units = dpc.memory.fit.equal_units(psi, 32)
+    choice, why = dpc.memory.recommend(psi, world, 80 * GB, units=units, activation_bytes=acts)
+    assert choice == CASES[case] == first_that_fits(psi, world, 80 * GB, acts), why
+
+
+def test_recommend_counts_activations_to_the_byte():
+    """7.5B on 8 ranks: SHARD_GRAD_OP fits until the activations push its peak one byte over."""
+    psi, units = 7_500_000_000, dpc.memory.fit.equal_units(7_500_000_000, 32)
+    forward = ledger(psi, 8, "SHARD_GRAD_OP", "mixed", units=units).phases["forward"]
+    room = 80 * GB - sum(forward.values())  # activations count in forward, beside everything else
+    at = dpc.memory.recommend(psi, 8, 80 * GB, units=units, activation_bytes=room)[0]
+    over = dpc.memory.recommend(psi, 8, 80 * GB, units=units, activation_bytes=room + 1)[0]
+    assert (at, over) == ("SHARD_GRAD_OP", "FULL_SHARD")
+
+
+def test_recommend_sends_no_more_than_it_must():
+    """Hand arithmetic, mixed-precision Adam: DDP needs >= 16 bytes per parameter, so 7.5B
+    (120 GB) never fits 80 GB; SHARD_GRAD_OP sends DDP's 2 Psi and is chosen before FULL_SHARD."""
+    assert 16 * 7_500_000_000 > 80 * GB
+    choice, why = dpc.memory.recommend(7_500_000_000, 8, 80 * GB)
+    assert choice == "SHARD_GRAD_OP" and "what DDP sends" in why
     assert dpc.memory.recommend(10**9, 8, 80 * GB)[0] == "ddp"
-    assert dpc.memory.recommend(psi, 64, device, units=dpc.memory.fit.equal_units(psi, 32))[0] == "HYBRID_SHARD"
-    assert dpc.memory.recommend(10**12, 8, device)[0] == "none"
+    assert dpc.memory.recommend(10**12, 8, 32 * GB)[0] == "none"

@@ -25,6 +25,35 @@ def transformer4(cluster4):
     return experiment.measure_all(cluster4, configs, model="transformer", batch_size=2)
 
 
+@pytest.fixture(scope="module")
+def autocast4(cluster4):
+    configs = [("ddp", {}), ("ddp", {"gradient_as_bucket_view": True})]
+    return experiment.measure_all(cluster4, configs, precision="autocast", **MLP)
+
+
+def test_ddp_under_autocast_holds_fp32_states_and_2_byte_copies_in_forward(autocast4, mlp4):
+    """DDP + torch.autocast(bfloat16): fp32 parameters and gradients at rest (no separate master
+    copy), as the ledger's precision="autocast" says, and a 2-byte copy of every parameter on
+    top of the (halved) activations at the end of forward."""
+    for config in autocast4:
+        for result in config:
+            row = report.compare(result)
+            assert all(t == m for t, m in row["at_rest"].values()), (row["label"], row["at_rest"])
+            assert 0.9 <= row["peak_ratio"] <= 1.1, (row["label"], row["peak"])
+    ac, fp32 = autocast4[0][0], mlp4[0][0]
+    psi = ac["num_params"]
+    assert ac["at_rest"]["parameters"] == ac["at_rest"]["gradients"] == 4 * psi
+
+    def forward_activations(result):  # most held in forward and loss, less the input batch
+        frames = result["frames"]
+        held = [f["peak"]["activations"] for f in frames if f["phase"].startswith(("forward", "loss"))]
+        return max(held) - frames[0]["end"]["activations"]
+    extra = forward_activations(ac) - forward_activations(fp32) / 2  # bf16 activations: half of fp32's
+    assert abs(extra - 2 * psi) <= 0.05 * 2 * psi, (extra, 2 * psi)
+    book = report.theory_for(autocast4[1][0])
+    assert book.peak_phase == "forward" and book.phases["forward"]["temporaries"] == 2 * psi
+
+
 def test_at_rest_equals_theory_exactly_on_every_rank(mlp4, transformer4):
     assert [report.label(c[0]) for c in mlp4] == [
         "ddp", "ddp (bucket view)", "NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "fully_shard",
@@ -94,3 +123,27 @@ def test_fsdp_saw_tooth_and_ddp_plateau(mlp4):
 def test_unknown_strategy_is_a_clear_error_on_the_ranks(cluster4):
     with pytest.raises(dpc.RankError, match="cannot measure strategy 'zero3'; choose one of ddp"):
         cluster4.run(experiment.measure_strategy, "zero3", timeout=60)
+
+
+def _reduce_dtype(strategy: str) -> str:
+    """On a rank: the gradient-reduction dtype the runner's FSDP1 / FSDP2 wrapper applied in bf16."""
+    import torch
+
+    from dpcourse.train import TrainConfig, parallel
+
+    cfg = TrainConfig(strategy=strategy, mixed_precision="bf16")
+    net = dpc.models.build_model("mlp")
+    parallel.broadcast_module(net)
+    classes = dpc.models.wrap_classes("mlp")
+    if strategy == "fsdp":
+        return str(parallel.apply_fsdp(net, torch.device("cpu"), cfg, classes).mixed_precision.reduce_dtype)
+    wrapped = parallel.apply_fsdp2(net, torch.device("cpu"), cfg, classes)
+    return str(wrapped._get_fsdp_state()._mp_policy.reduce_dtype)
+
+
+def test_fsdp1_and_fsdp2_reduce_in_the_same_dtype(cluster4):
+    """The ledger's "mixed" FSDP row counts 2-byte unsharded gradients: both wrappers must
+    reduce in the compute dtype, as their policies now say on every rank."""
+    fsdp1 = cluster4.run(_reduce_dtype, "fsdp", timeout=60)
+    fsdp2 = cluster4.run(_reduce_dtype, "fsdp2", timeout=60)
+    assert fsdp1 == fsdp2 == ["torch.bfloat16"] * 4

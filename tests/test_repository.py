@@ -73,6 +73,15 @@ def test_notebooks_are_stored_without_outputs():
                 assert cell["outputs"] == [] and cell["execution_count"] is None, book
 
 
+def test_notebooks_are_valid_nbformat():
+    """JupyterLab refuses cells whose ids break the schema (e.g. a dot in an id)."""
+    import nbformat
+
+    books = glob.glob(str(ROOT / "notebooks" / "**" / "*.ipynb"), recursive=True)
+    for book in books:
+        nbformat.validate(nbformat.read(book, as_version=4))
+
+
 def test_readme_course_command_serves_the_notebooks():
     """The part of the first command that opens the course really starts JupyterLab on notebooks/."""
     launch = _readme_commands()[0].split(" && ")[-1].split()  # .venv/bin/jupyter lab ... notebooks/

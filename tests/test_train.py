@@ -1,10 +1,15 @@
 """The training runner on real ranks: every strategy equals single-process training; DCP resumes."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
-from dpcourse.train import ConfigError, TrainConfig, train, train_single_process
+from dpcourse import RankError
+from dpcourse.memory import MemoryProbe
+from dpcourse.train import (CommMeter, ConfigError, FullState, StepTimer, TrainConfig, checkpoint, train,
+                            train_single_process)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -46,7 +51,7 @@ def test_world_size_4_equals_single_process(cluster4, options):
 
 def test_final_parameters_equal_single_process(cluster2):
     cfg = TrainConfig(strategy="fsdp", steps=3, batch_size=4, progress=False, optimizer="sgd")
-    state = cluster2.run(train, cfg, return_state=True)[0]["state"]
+    state = cluster2.run(train, cfg, [FullState()])[0]["state"]
     reference = train_single_process(cfg, 2)["state"]
     assert state.keys() == reference.keys()
     for name in reference:
@@ -62,6 +67,46 @@ def test_dcp_save_at_4_resume_at_2_equals_an_uninterrupted_run(cluster4, cluster
     rest = cluster2.run(train, TrainConfig(steps=6, batch_size=8, checkpoint_dir=ckpt, resume=True, **common))
     assert rest[0]["first_step"] == 3
     torch.testing.assert_close(first[0]["losses"] + rest[0]["losses"], whole, rtol=1e-5, atol=1e-6)
+    # Another global batch would continue with other samples: refused, with the fix named.
+    with pytest.raises(RankError, match="global batch of 16 samples .* use batch_size=8"):
+        cluster2.run(train, TrainConfig(steps=6, batch_size=4, checkpoint_dir=ckpt, resume="auto", **common))
+
+
+def test_periodic_checkpoints_keep_the_newest_and_resume_exactly(cluster2, tmp_path):
+    """Every 3 steps, 2 kept; a resume at step 7 (not an epoch start) continues the sampler
+    where it stood, across the epoch boundary at step 8, equal to one uninterrupted run."""
+    common = dict(strategy="fsdp2", num_samples=64, batch_size=4, progress=False)  # 8 steps per epoch
+    whole = cluster2.run(train, TrainConfig(steps=12, **common))[0]["losses"]
+    root = str(tmp_path / "ckpt")
+    saving = dict(checkpoint_dir=root, checkpoint_every=3, keep_checkpoints=2, resume="auto")
+    first = cluster2.run(train, TrainConfig(steps=7, **common, **saving))[0]
+    assert first["first_step"] == 0 and first["resumed_from"] is None  # auto: nothing to resume
+    assert sorted(os.listdir(root)) == ["step-000006", "step-000007"]  # 3 was pruned; 7 is the end
+    assert checkpoint.read_progress(checkpoint.latest(root)) == checkpoint.Progress(
+        step=7, epoch=0, batch=7, global_batch=8, world_size=2)
+    rest = cluster2.run(train, TrainConfig(steps=12, **common, **saving))[0]
+    assert rest["resumed_from"] == checkpoint.step_dir(root, 7)
+    assert checkpoint.read_progress(checkpoint.latest(root)).epoch == 1  # 12 = 8 + 4
+    torch.testing.assert_close(first["losses"] + rest["losses"], whole, rtol=0, atol=0)
+
+
+def test_checkpoint_progress_and_folder_rules(tmp_path):
+    """Pure parts of checkpoint.py: data position arithmetic, which folders count as complete."""
+    p = checkpoint.Progress(step=6, epoch=0, batch=6, global_batch=8, world_size=2)
+    assert p.advanced(3, per_epoch=8) == checkpoint.Progress(9, 1, 1, 8, 2)
+    root = str(tmp_path)
+    assert checkpoint.latest(root) is None and checkpoint.resolve("auto", root) is None
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+        checkpoint.resolve("latest", root)
+    for name, marked in [("step-000003", True), ("step-000010", False), (".partial-step-000012", True),
+                         ("step-000004", True), ("notes", True)]:
+        os.makedirs(os.path.join(root, name))
+        if marked:
+            open(os.path.join(root, name, checkpoint.MARK), "w").close()
+    assert checkpoint.complete_checkpoints(root) == [checkpoint.step_dir(root, 3), checkpoint.step_dir(root, 4)]
+    assert checkpoint.resolve(True, root) == checkpoint.resolve(root, None) == checkpoint.step_dir(root, 4)
+    with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
+        checkpoint.read_progress(checkpoint.step_dir(root, 10))
 
 
 @pytest.mark.parametrize("options, message", [
@@ -72,7 +117,10 @@ def test_dcp_save_at_4_resume_at_2_equals_an_uninterrupted_run(cluster4, cluster
     (dict(strategy="fsdp", sharding_strategy="HYBRID_SHARD", hybrid_shard_size=4), "silently be\nFULL_SHARD|silently be FULL_SHARD"),
     (dict(mixed_precision="fp8"), "unknown mixed_precision"),
     (dict(batch_size=200, num_samples=512), "fewer than batch_size=200"),
-    (dict(resume=True), "resume needs checkpoint_dir"),
+    (dict(resume=True), "resume=True needs checkpoint_dir"),
+    (dict(resume="auto"), "resume='auto' needs checkpoint_dir"),
+    (dict(checkpoint_every=5), "checkpoint_every needs checkpoint_dir"),
+    (dict(checkpoint_dir="ckpt", keep_checkpoints=0), "keep_checkpoints >= 1"),
 ])
 def test_bad_options_fail_before_any_work(options, message):
     with pytest.raises(ConfigError, match=message):
@@ -94,7 +142,7 @@ def test_a_bad_option_on_the_ranks_raises_before_training(cluster2):
 ], ids=lambda o: "-".join(map(str, o.values())))
 def test_bytes_per_step_measured_from_pytorch_equal_the_theory(cluster4, options):
     """The logical bytes of the c10d ops DDP/FSDP really call, unit by unit, equal volume.step_bytes."""
-    comm = cluster4.run(train, TrainConfig(steps=3, batch_size=4, progress=False, **options))[0]["comm"]
+    comm = cluster4.run(train, TrainConfig(steps=3, batch_size=4, progress=False, **options), [CommMeter()])[0]["comm"]
     assert comm["measured"] == pytest.approx(comm["theory"], abs=1)
     assert comm["wire"] >= 0.98 * comm["gloo_wire_theory"]  # Gloo's own bytes, plus headers
 
@@ -128,11 +176,12 @@ def test_step_volume_formulas():
     dict(strategy="fsdp2"), dict(strategy="fsdp2", reshard_after_forward=False),
 ], ids=lambda o: "-".join(map(str, o.values())))
 def test_runner_memory_at_rest_equals_the_ledger_on_every_rank(cluster4, options):
-    metrics = cluster4.run(train, TrainConfig(steps=3, batch_size=4, progress=False, measure_memory=True, **options))
+    metrics = cluster4.run(train, TrainConfig(steps=3, batch_size=4, progress=False, **options),
+                           [StepTimer(), MemoryProbe()])
     for m in metrics:
         compare = m["memory"]["compare"]
         for category, (theory, measured) in compare["at_rest"].items():
             assert measured == theory, (m["rank"], category)
         theory_peak, measured_peak = compare["peak"]
         assert 0.9 * theory_peak <= measured_peak <= 1.1 * theory_peak  # within 10 %
-        assert len(m["step_time_s"]) == 2  # the instrumented last step is not timed
+        assert len(m["step_time_s"]) == 2  # the measured last step is not timed

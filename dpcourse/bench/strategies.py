@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import statistics
 
+from ..memory.probe import MemoryProbe
 from ..pool import Cluster
-from ..train import TrainConfig, train
+from ..train import CommMeter, StepTimer, TrainConfig, train
 
 HELP = "DDP vs FSDP strategies and FSDP2: CPU time per step, peak memory, bytes per step"
 
@@ -51,8 +52,9 @@ def main(args) -> int:
             for _ in range(args.rounds):
                 for name in names:
                     cfg = TrainConfig(steps=args.steps, batch_size=16, progress=False, model_sizes=sizes,
-                                      measure_memory=True, **STRATEGIES[name])
-                    metrics = cluster.run(train, cfg, timeout=600)
+                                      **STRATEGIES[name])
+                    hooks = [StepTimer(), CommMeter(), MemoryProbe()]  # the last step is measured, not timed
+                    metrics = cluster.run(train, cfg, hooks, timeout=600)
                     cpu[name] += [max(m["step_cpu_s"][i] for m in metrics) for i in range(2, args.steps - 1)]
                     wall[name] += [max(m["step_time_s"][i] for m in metrics) for i in range(2, args.steps - 1)]
                     comm[name] = metrics[0]["comm"]

@@ -9,8 +9,10 @@ from .activations import activation_bytes
 from .fit import fit_table, recommend
 from .layout import transformer_num_params, unit_shapes
 from .ledger import AT_REST, CATEGORIES, STRATEGIES, TRANSIENT, Ledger, LedgerError, ledger
+from .probe import MemoryProbe
 from .sizes import format_bytes, in_unit
 
-__all__ = ["AT_REST", "CATEGORIES", "STRATEGIES", "TRANSIENT", "Ledger", "LedgerError", "activation_bytes",
+__all__ = ["AT_REST", "CATEGORIES", "STRATEGIES", "TRANSIENT", "Ledger", "LedgerError", "MemoryProbe",
+           "activation_bytes",
            "fit_table", "format_bytes", "in_unit", "ledger", "recommend", "transformer_num_params",
            "unit_shapes"]

@@ -71,14 +71,18 @@ def _unit_modules(wrapped, blocks: dict, strategy: str) -> dict:
 
 def measure_strategy(strategy: str, model: str = "mlp", sizes: dict | None = None, batch_size: int = 8,
                      optimizer: str = "adam", warmup_steps: int = 2, record: bool = True, seed: int = 0,
-                     **options) -> dict:
+                     precision: str = "fp32", **options) -> dict:
     """On this rank: bytes held at rest by role, and the recorded step's frames (all per rank).
 
-    options: gradient_as_bucket_view (ddp), reshard_after_forward (fully_shard),
-    shard_group_size (HYBRID_SHARD).
+    precision: "fp32", or "autocast" (ddp only: forward and loss under ``torch.autocast``
+    in bfloat16, as the training runner does). options: gradient_as_bucket_view (ddp),
+    reshard_after_forward (fully_shard), shard_group_size (HYBRID_SHARD).
     """
     from ..train.parallel import broadcast_module
 
+    if precision not in ("fp32", "autocast") or (precision == "autocast" and strategy != "ddp"):
+        raise ValueError(f"cannot measure precision {precision!r} with {strategy!r}; measured are fp32 "
+                         "(every strategy) and autocast (ddp)")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     sizes = dict(sizes or {})
@@ -98,9 +102,10 @@ def measure_strategy(strategy: str, model: str = "mlp", sizes: dict | None = Non
         mark = recorder.phase if recorder else (lambda name: None)
         mark("zero_grad")
         opt.zero_grad(set_to_none=True)
-        out = wrapped(x)
-        mark("loss")
-        loss = models.loss_fn(model, out, y)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "autocast"):
+            out = wrapped(x)
+            mark("loss")
+            loss = models.loss_fn(model, out, y)
         mark("backward loss")  # the loss's own backward runs before any module's
         loss.backward()
         mark("optimizer step")
@@ -110,7 +115,7 @@ def measure_strategy(strategy: str, model: str = "mlp", sizes: dict | None = Non
         step()
     result = {"strategy": strategy, "options": options, "rank": rank, "world_size": world,
               "device": device.type, "model": model, "sizes": sizes, "batch_size": batch_size,
-              "optimizer": optimizer, "num_params": num_params, "units": units,
+              "optimizer": optimizer, "precision": precision, "num_params": num_params, "units": units,
               "at_rest": held_bytes(wrapped, opt, buckets), "frames": None, "tool": None,
               "tool_peak": None, "cuda": None}
     if record:

@@ -3,7 +3,12 @@
 Model states per parameter, as the ZeRO paper counts them (Rajbhandari et al. 2020, sec. 3.1):
 fp32 training keeps a 4-byte parameter and a 4-byte gradient; mixed precision keeps 2-byte
 parameters and gradients plus K bytes of optimizer state, K = 12 for Adam (a 4-byte fp32
-master copy, momentum and variance). Sharding divides some of these by the shard group size:
+master copy, momentum and variance). That is ``precision="mixed"``, the paper's fp16 layout.
+DDP under ``torch.autocast`` (``precision="autocast"``) holds something else: fp32 parameters
+(they are the master weights) and fp32 gradients, 4 + 4 + 8 bytes with Adam, and the 2-byte
+copies exist only during forward and backward: autocast casts each weight the first time a
+low-precision op uses it and caches the copy until the autocast region ends (backward keeps
+the copies it saved). Sharding divides some of these by the shard group size:
 
     strategy          sharded (divided by the shard group)
     dp, ddp,          nothing (dp: only the primary device keeps them, see ``ledger``)
@@ -13,9 +18,10 @@ master copy, momentum and variance). Sharding divides some of these by the shard
     zero3, FSDP       ... and parameters (FSDP1 SHARD_GRAD_OP / FULL_SHARD / HYBRID_SHARD,
                       FSDP2 ``fully_shard``)
 
-Transient terms come on top: FSDP's unsharded units (the FSDP paper, Zhao et al. 2023,
-sec. 3.2.1: peak parameter memory is sum_i psi_i / F + max_i psi_i), activations, and the
-optimizer step's temporaries. ``phases`` puts them at the moment of a step where they live.
+Transient terms come on top: autocast's weight copies, FSDP's unsharded units (the FSDP
+paper, Zhao et al. 2023, sec. 3.2.1: peak parameter memory is sum_i psi_i / F + max_i psi_i),
+activations, and the optimizer step's temporaries. ``phases`` puts them at the moment of a
+step where they live.
 """
 from __future__ import annotations
 
@@ -26,12 +32,12 @@ from . import layout, transients
 
 STRATEGIES = ("dp", "ddp", "zero1", "zero2", "zero3",
               "NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD", "fully_shard")
-PRECISIONS = ("fp32", "mixed")
+PRECISIONS = ("fp32", "mixed", "autocast")
+AUTOCAST_STRATEGIES = ("dp", "ddp")  # the ledger models torch.autocast for these only
 OPTIMIZERS = ("sgd", "sgd_momentum", "adam", "adamw")
 AT_REST = ("parameters", "gradients", "optimizer_state", "master_weights", "bucket_buffers")
 TRANSIENT = ("unsharded_parameters", "unsharded_gradients", "activations", "temporaries")
 CATEGORIES = AT_REST + TRANSIENT
-PHASES = ("at rest", "forward", "backward", "optimizer step")
 
 # fp32 optimizer state per parameter (bytes): SGD none, momentum one buffer, Adam two moments.
 OPTIMIZER_STATE_BYTES = {"sgd": 0, "sgd_momentum": 4, "adam": 8, "adamw": 8}
@@ -113,9 +119,11 @@ def ledger(num_params: int, world_size: int, strategy: str, precision: str = "fp
            units=None, activation_bytes: int = 0, foreach: bool = False) -> Ledger:
     """Bytes one rank holds for ``num_params`` parameters (elements) under ``strategy``.
 
-    world_size: ranks in total. precision: "fp32" or "mixed" (2-byte parameters and
+    world_size: ranks in total. precision: "fp32"; "mixed" (2-byte parameters and
     gradients with an fp32 master copy, the ZeRO paper's recipe; FSDP keeps its sharded
-    parameters in fp32 as the master copy instead). optimizer: "sgd", "sgd_momentum",
+    parameters in fp32 as the master copy instead); or "autocast" (dp/ddp only: fp32
+    parameters and gradients, plus 2-byte copies of every parameter during forward,
+    counted under temporaries). optimizer: "sgd", "sgd_momentum",
     "adam", "adamw". shard_group_size: HYBRID_SHARD's ranks per shard group.
     rank: the rank asked about ("dp": 0 is the primary device; FSDP2 ``fully_shard`` gives
     the last ranks smaller optimizer-state chunks). units: the FSDP units, either numbers of
@@ -134,6 +142,9 @@ def ledger(num_params: int, world_size: int, strategy: str, precision: str = "fp
         raise LedgerError(f"rank={rank} is not a rank of world_size={world_size} (0..{world_size - 1})")
     if activation_bytes < 0:
         raise LedgerError(f"activation_bytes must be >= 0, not {activation_bytes}")
+    if precision == "autocast" and strategy not in AUTOCAST_STRATEGIES:
+        raise LedgerError(f"precision='autocast' models DP/DDP under torch.autocast, not {strategy!r}; "
+                          "for ZeRO and FSDP (MixedPrecision / MixedPrecisionPolicy) use precision='mixed'")
     group = _shard_group(strategy, world_size, shard_group_size)
     try:
         shapes = layout.normalise_units(units, num_params)
@@ -188,21 +199,26 @@ def ledger(num_params: int, world_size: int, strategy: str, precision: str = "fp
     b["unsharded_parameters"] = max(gathered["forward"], gathered["backward"])
     b["unsharded_gradients"] = gathered["gradients"]
     b["activations"] = activation_bytes
+    # autocast caches a 2-byte copy of every parameter a low-precision op uses (all of a
+    # Linear's); assumed here for every parameter (LayerNorm's stay fp32 on CUDA: an upper bound).
+    autocast_b = 2 * num_params if precision == "autocast" else 0
+    step_b = 0
     if on_this_rank:
-        b["temporaries"] = transients.optimizer_temporaries(strategy, optimizer, shapes, group,
-                                                            shard_rank, foreach)
+        step_b = transients.optimizer_temporaries(strategy, optimizer, shapes, group, shard_rank, foreach)
+    b["temporaries"] = max(step_b, autocast_b)
 
     rest = {c: b[c] for c in AT_REST}
     # zero_grad(set_to_none=True) frees gradients before forward, unless they are views of
     # DDP's buckets (gradient_as_bucket_view), whose storage stays.
     grads_kept = strategy == "ddp" and gradient_as_bucket_view
     forward = dict(rest, gradients=rest["gradients"] if grads_kept else 0,
-                   unsharded_parameters=gathered["forward"], activations=activation_bytes)
+                   unsharded_parameters=gathered["forward"], activations=activation_bytes,
+                   temporaries=autocast_b)
     # Backward counts every gradient and no activation: gradients appear as activations are
     # freed, and the two roughly trade places.
     backward = dict(rest, unsharded_parameters=gathered["backward"],
                     unsharded_gradients=gathered["gradients"])
-    step = dict(rest, temporaries=b["temporaries"])
+    step = dict(rest, temporaries=step_b)
     phases = {"at rest": rest, "forward": forward, "backward": backward, "optimizer step": step}
     return Ledger(strategy, world_size, rank, precision, optimizer, group, num_params, b,
                   phases, tuple(notes))

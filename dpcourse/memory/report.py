@@ -14,7 +14,8 @@ def label(result: dict) -> str:
     """Short name of a measured configuration, e.g. 'ddp (bucket view)', 'fully_shard (keep)'."""
     s, o = result["strategy"], result["options"]
     if s == "ddp":
-        return "ddp (bucket view)" if o.get("gradient_as_bucket_view") else "ddp"
+        name = "ddp (bucket view)" if o.get("gradient_as_bucket_view") else "ddp"
+        return name + (" + autocast" if result.get("precision") == "autocast" else "")
     if s == "fully_shard":
         return "fully_shard" if o.get("reshard_after_forward", True) else "fully_shard (no reshard)"
     if s == "HYBRID_SHARD":
@@ -26,7 +27,7 @@ def theory_for(result: dict) -> Ledger:
     """The ledger for exactly what a rank measured (same model units, rank and options)."""
     acts = activation_bytes(result["model"], result["batch_size"], **result["sizes"])
     return ledger(result["num_params"], result["world_size"], result["strategy"],
-                  optimizer=result["optimizer"], units=result["units"], rank=result["rank"],
+                  result.get("precision", "fp32"), optimizer=result["optimizer"], units=result["units"], rank=result["rank"],
                   activation_bytes=acts, **result["options"])
 
 

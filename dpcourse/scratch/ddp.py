@@ -97,12 +97,6 @@ class _DataParallel(nn.Module):
         finally:
             self.require_backward_grad_sync = previous
 
-    def remove_hooks(self) -> None:
-        """Detach this wrapper from the module's parameters (before wrapping it again)."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
-
     def comm_hook(self, tensor: torch.Tensor, name: str):
         """Start averaging ``tensor`` over the ranks, in place; returns the async ``Work``.
         ``name``: what the tensor is (a parameter's name, "bucket 3"), for observers."""

@@ -5,6 +5,9 @@
     cluster.run(dpc.train.train, dpc.train.TrainConfig(strategy="fsdp2"))   # from a notebook
 """
 from .config import ConfigError, TrainConfig, parse_args
+from .hooks import FullState, Run, StepHook, StepTimer
+from .measure import CommMeter
 from .runner import build, main, train, train_single_process
 
-__all__ = ["ConfigError", "TrainConfig", "build", "main", "parse_args", "train", "train_single_process"]
+__all__ = ["CommMeter", "ConfigError", "FullState", "Run", "StepHook", "StepTimer", "TrainConfig", "build",
+           "main", "parse_args", "train", "train_single_process"]

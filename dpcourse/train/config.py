@@ -36,12 +36,14 @@ class TrainConfig:
     lr: float = 1e-2
     optimizer: str = "adamw"
     seed: int = 0
-    checkpoint_dir: str | None = None      # save here at the end (torch.distributed.checkpoint)
-    resume: bool = False                   # continue from checkpoint_dir
+    checkpoint_dir: str | None = None      # save step-NNNNNN/ checkpoints here (DCP), always at the end
+    checkpoint_every: int = 0              # also save every N steps (0: only at the end)
+    keep_checkpoints: int = 2              # complete checkpoints kept (the newest)
+    resume: str | bool | None = None       # None | "auto" | "latest" (True) | a checkpoint path
     backend: str = "auto"                  # CLI only: gloo | nccl | auto
     metrics_path: str | None = None        # CLI only: write per-rank metrics as JSON
     progress: bool = True                  # progress bar on rank 0
-    measure_memory: bool = False           # record the last step's memory (slower step, not timed)
+    measure: str = ""                      # CLI only: "time", "bytes" or "time,bytes" (metrics)
 
     def validate(self, world_size: int, device_type: str) -> None:
         """Raise ConfigError for anything that would fail (or silently mislead) later."""
@@ -71,8 +73,18 @@ class TrainConfig:
             if not torch.cuda.is_bf16_supported():
                 raise ConfigError("bf16 needs a GPU with bfloat16 support (Ampere or newer); "
                                   "use --mixed-precision fp16 or fp32")
-        if self.resume and not self.checkpoint_dir:
-            raise ConfigError("resume needs checkpoint_dir (the folder a run saved to)")
+        self.validate_checkpointing()
+
+    def validate_checkpointing(self) -> None:
+        """Checkpoint options: every N >= 0 steps, keep >= 1, resume needs a place to look."""
+        if self.checkpoint_every < 0 or self.keep_checkpoints < 1:
+            raise ConfigError(f"checkpoint_every must be >= 0 (0: only at the end) and keep_checkpoints "
+                              f">= 1, not {self.checkpoint_every} and {self.keep_checkpoints}")
+        if self.checkpoint_every and not self.checkpoint_dir:
+            raise ConfigError("checkpoint_every needs checkpoint_dir (the folder to save into)")
+        if self.resume in (True, "auto", "latest") and not self.checkpoint_dir:
+            raise ConfigError(f"resume={self.resume!r} needs checkpoint_dir (the folder a run saved to), "
+                              "or pass resume=<path of a checkpoint>")
 
     def hybrid_mesh_shape(self, world_size: int) -> tuple[int, int]:
         """(replicate, shard) sizes of HYBRID_SHARD's 2-D mesh."""
@@ -89,22 +101,89 @@ class TrainConfig:
         return world_size // shard, shard
 
 
-def parse_args(argv=None) -> TrainConfig:
-    """Command line -> TrainConfig (flags are the field names with dashes)."""
-    parser = argparse.ArgumentParser(prog="python -m dpcourse.train",
-                                     description="Train a demo model with DDP, FSDP or FSDP2.")
+# One line per option for --help: what it means and its units; "%(default)s" shows the default.
+HELP = {
+    "strategy": "data-parallel wrapper: ddp (DistributedDataParallel), fsdp (FSDP1), fsdp2 "
+                "(fully_shard); default %(default)s",
+    "sharding_strategy": "FSDP1 only: what is sharded -- FULL_SHARD (params, grads, optimizer "
+                         "state), SHARD_GRAD_OP (grads, optimizer state), HYBRID_SHARD (FULL_SHARD "
+                         "within a node, replicated across), NO_SHARD (like DDP); default %(default)s",
+    "hybrid_shard_size": "HYBRID_SHARD: ranks per shard group, usually GPUs per node; must divide "
+                         "the world size; default %(default)s",
+    "reshard_after_forward": "FSDP2 only: free gathered parameters after forward (gather again in "
+                             "backward); default %(default)s",
+    "auto_wrap": "FSDP units: block (one per model block), size (by --min-num-params), none (one "
+                 "unit for the whole model); default %(default)s",
+    "min_num_params": "auto-wrap=size: parameters (elements) per FSDP unit; default %(default)s",
+    "mixed_precision": "compute dtype: fp32, bf16 or fp16 (bf16 is slow on CPUs without bf16 "
+                       "units); default %(default)s",
+    "gradient_as_bucket_view": "DDP only: gradients are views into the all-reduce buckets (saves "
+                               "one gradient copy); default %(default)s",
+    "model": "demo model: mlp (regression) or transformer (tiny language model); default %(default)s",
+    "model_sizes": "model sizes as key=value pairs, e.g. d_hidden=128,depth=6 (mlp) or "
+                   "d_model=64,n_layers=4 (transformer); default: the model's own (%(default)r)",
+    "num_samples": "synthetic dataset size (samples, all ranks together); default %(default)s",
+    "batch_size": "micro-batch per rank (samples); the global batch is this x world size; "
+                  "default %(default)s",
+    "steps": "optimizer steps in total, steps done before a resume included; default %(default)s",
+    "lr": "learning rate; default %(default)s",
+    "optimizer": "adamw (weight decay 0.01) or sgd (momentum 0.9); default %(default)s",
+    "seed": "seed of the weights, the data and the sampler's shuffle; default %(default)s",
+    "checkpoint_dir": "folder for DCP checkpoints (one step-NNNNNN/ folder each, published "
+                      "atomically once complete); a checkpoint is always saved at the end; "
+                      "default %(default)s (no checkpoints)",
+    "checkpoint_every": "also save a checkpoint every N optimizer steps (0: only at the end); "
+                        "default %(default)s",
+    "keep_checkpoints": "complete checkpoints to keep, the newest; default %(default)s",
+    "resume": "auto (newest complete checkpoint in --checkpoint-dir, or start fresh if none: what "
+              "torchrun --max-restarts needs), latest (the newest, which must exist; also a bare "
+              "--resume), or the path of a checkpoint; default %(default)s (start fresh)",
+    "backend": "process-group backend: gloo (CPU), nccl (CUDA GPUs only), auto (with one GPU per "
+               "local rank cpu:gloo,cuda:nccl -- NCCL for CUDA tensors, Gloo for CPU ones -- else "
+               "gloo); default %(default)s",
+    "metrics_path": "rank 0 writes every rank's metrics (losses, and what --measure adds) to this "
+                    "JSON file; default %(default)s (none)",
+    "progress": "print a progress line on rank 0; default %(default)s",
+    "measure": "what to measure into the metrics, comma-separated: time (seconds per step), "
+               "bytes (bytes sent in the last step, by collective, next to the theory); default "
+               "%(default)r (nothing: a plain training loop)",
+}
+CHOICES = {"strategy": STRATEGIES, "sharding_strategy": SHARDING_STRATEGIES, "auto_wrap": AUTO_WRAP,
+           "mixed_precision": PRECISIONS, "optimizer": OPTIMIZERS, "model": ("mlp", "transformer"),
+           "backend": ("gloo", "nccl", "auto")}
+
+
+def make_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m dpcourse.train``: one flag per TrainConfig field."""
+    parser = argparse.ArgumentParser(
+        prog="python -m dpcourse.train", description="Train a demo model with DDP, FSDP or FSDP2.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Under torchrun --max-restarts, add --checkpoint-dir DIR --checkpoint-every N\n"
+               "--resume auto: restarted workers continue from the newest complete checkpoint.")
     defaults = TrainConfig()
     for f in dataclasses.fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
-        value = getattr(defaults, f.name)
+        flag, value = "--" + f.name.replace("_", "-"), getattr(defaults, f.name)
+        kwargs = {"help": HELP[f.name], "default": value}  # KeyError: a new field needs its help
         if f.name == "model_sizes":
-            parser.add_argument(flag, default="", help="model sizes, e.g. d_hidden=128,depth=6")
+            kwargs.update(default="", metavar="KEY=N,...")
+        elif f.name == "measure":
+            kwargs["metavar"] = "time,bytes"
+        elif f.name == "resume":
+            kwargs.update(nargs="?", const="latest", metavar="auto|latest|PATH")
         elif isinstance(value, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=value)
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif f.name in CHOICES:
+            kwargs["choices"] = CHOICES[f.name]
         else:
-            kind = int if f.name in ("hybrid_shard_size",) else (type(value) if value is not None else str)
-            parser.add_argument(flag, type=kind, default=value)
-    args = vars(parser.parse_args(argv))
+            kwargs["type"] = int if f.name == "hybrid_shard_size" else (type(value) if value is not None else str)
+            kwargs["metavar"] = {int: "N", float: "X"}.get(kwargs["type"], "DIR" if "dir" in f.name else "FILE")
+        parser.add_argument(flag, **kwargs)
+    return parser
+
+
+def parse_args(argv=None) -> TrainConfig:
+    """Command line -> TrainConfig (flags are the field names with dashes)."""
+    args = vars(make_parser().parse_args(argv))
     sizes = args.pop("model_sizes")
     cfg = TrainConfig(**args)
     for item in filter(None, sizes.split(",")):

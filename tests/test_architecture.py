@@ -1,0 +1,84 @@
+"""The package's rooms depend on each other in one direction: no import cycle, lazy or not."""
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "dpcourse"
+
+
+def room_of(module: str) -> str:
+    """dpcourse.train.runner -> "train"; dpcourse.backends -> "backends"."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def imported_modules(path: Path, module: str) -> set[str]:
+    """Every dpcourse module ``path`` imports, at top level or inside a function."""
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+            found.add(base)
+            found |= {f"{base}.{a.name}" for a in node.names}
+    return {m for m in found if m.startswith("dpcourse.")}
+
+
+def room_graph() -> dict[str, set[str]]:
+    rooms = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    rooms |= {p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__"}
+    graph = defaultdict(set)
+    for path in PACKAGE.rglob("*.py"):
+        module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
+        for target in imported_modules(path, module):
+            if room_of(target) in rooms and room_of(target) != room_of(module):
+                graph[room_of(module)].add(room_of(target))
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A list of rooms that import each other in a circle, or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node):
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        state[node] = 2
+        path.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_no_import_cycle_between_rooms():
+    graph = room_graph()
+    assert graph["train"] and "memory" not in graph["train"], "train measures through hooks, not memory"
+    cycle = find_cycle(graph)
+    assert cycle is None, "rooms import each other: " + " -> ".join(cycle)
+
+
+def test_the_cycle_finder_finds_one():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_leaf_rooms_import_no_other_room():
+    graph = room_graph()
+    assert graph["pool"] <= {"backends"}  # the pool runs anything, knows nothing of the lessons
+    assert "collectives" not in graph or graph["collectives"] <= {"pool", "backends"}
