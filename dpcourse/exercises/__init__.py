@@ -3,26 +3,60 @@
     report = dpc.exercises.check_a("train_ddp.py")   # runs it on 2 ranks under torchrun
     report.passed, report.items                        # shown as a table in Jupyter
     dpc.exercises.solution("A")                        # the reference solution, on request
+    dpc.exercises.check_d(ring_reduce_scatter, ring_all_gather)   # on 2-5 real ranks
+    dpc.exercises.check_e(MyBucketedDDP)               # next to torch DDP on 2 ranks
     dpc.exercises.check_answer("4.1", 3, {...})        # the chapters' self-check questions
+    records = dpc.exercises.run_b(2, 128, 16)          # DDP vs FSDP on real ranks
+    dpc.exercises.check_b(records, table, answers)     # the learner's figures, re-derived
+    dpc.exercises.check_c(dpc.exercises.run_c(), answers)   # sharding strategies, auto-wrap
 """
 from __future__ import annotations
 
+import os
+
 from .exercise_a import check_a
+from .exercise_d import check_d
 from .report import Item, Report
 from .selfcheck import check_answer
 
-SOLUTIONS = {"A": "train_ddp"}
+SOLUTIONS = {"A": "train_ddp"}  # a script of dpc.scripts
+# files in solutions/
+SOLUTION_FILES = {"B": "table_b.py", "C": "answers_c.py", "D": "ring_d.py", "E": "bucketed_e.py"}
 
 
 def solution(exercise: str) -> str:
-    """The reference solution of ``exercise`` ("A", ...), as source text (print it to read it)."""
+    """The reference solution of ``exercise`` ("A" to "E"), as source text (print it to read it)."""
     from .. import scripts
 
     key = exercise.upper()
-    if key not in SOLUTIONS:
-        raise ValueError(f"no exercise {exercise!r}; choose one of {sorted(SOLUTIONS)}")
-    with open(scripts.path(SOLUTIONS[key])) as f:
+    if key in SOLUTION_FILES:
+        path = os.path.join(os.path.dirname(__file__), "solutions", SOLUTION_FILES[key])
+    elif key in SOLUTIONS:
+        path = scripts.path(SOLUTIONS[key])
+    else:
+        raise ValueError(f"no exercise {exercise!r}; choose one of {sorted({**SOLUTIONS, **SOLUTION_FILES})}")
+    with open(path) as f:
         return f.read()
 
 
-__all__ = ["Item", "Report", "check_a", "check_answer", "solution"]
+def __getattr__(name):
+    # exercise_e imports dpcourse.scratch (seconds per process): loaded on first use, so the
+    # ranks that run exercise D's checker code never import it
+    if name in ("check_e", "exercise_e"):
+        import importlib
+
+        module = importlib.import_module(f"{__name__}.exercise_e")
+        return module.check_e if name == "check_e" else module
+    # exercises B and C import the training runner and the memory probe: loaded on first use too
+    lazy = {"check_b": "exercise_b", "run_b": "exercise_b", "exercise_b": "exercise_b",
+            "check_c": "exercise_c", "run_c": "exercise_c", "exercise_c": "exercise_c"}
+    if name in lazy:
+        import importlib
+
+        module = importlib.import_module(f"{__name__}.{lazy[name]}")
+        return module if name == lazy[name] else getattr(module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["Item", "Report", "check_a", "check_b", "check_c", "check_d", "check_e", "check_answer", "run_b",
+           "run_c", "solution"]

@@ -52,7 +52,7 @@ def _judge(report: Report, run, timeout: float) -> None:
                    "exit code 0" if run.returncode == 0 else
                    f"torchrun exited with code {run.returncode}:\n{_error_excerpt(run.output, run.script)}")
     logs = [read_log(run.observed, r) for r in range(WORLD_SIZE)]
-    _judge_sampling(report, logs)
+    _judge_sampling(report, logs, finished=run.returncode == 0)
     _judge_logging_and_saving(report, run, logs)
     weights = _judge_checkpoint(report, logs) if run.returncode == 0 else None
     _judge_weights(report, weights)
@@ -62,11 +62,12 @@ def _judge(report: Report, run, timeout: float) -> None:
                          for r, log in enumerate(logs) if not log["destroyed"]))
 
 
-def _judge_sampling(report: Report, logs: list[dict]) -> None:
+def _judge_sampling(report: Report, logs: list[dict], finished: bool) -> None:
     epochs = [log["epochs"] for log in logs]
     if not all(epochs):
         report.add("each epoch, the ranks read disjoint samples that cover the dataset", None,
-                   "no rank read from the course's dataset (is it built with make_dataset?)")
+                   "no rank read from the course's dataset (is it built with make_dataset?)"
+                   if finished else "the run ended before every rank read from the dataset")
         report.add("the order changes between epochs (set_epoch)", None)
         return
     n = int(ARGS[ARGS.index("--num-samples") + 1])
@@ -109,7 +110,9 @@ def _judge_logging_and_saving(report: Report, run, logs: list[dict]) -> None:
     if savers == [0]:
         report.add("only rank 0 writes the checkpoint", True)
     elif not savers:
-        report.add("only rank 0 writes the checkpoint", False, "no rank called torch.save")
+        failed = run.returncode != 0
+        report.add("only rank 0 writes the checkpoint", None if failed else False,
+                   "the run ended before saving" if failed else "no rank called torch.save")
     else:
         others = [r for r in savers if r != 0]
         report.add("only rank 0 writes the checkpoint", False,

@@ -93,8 +93,8 @@ class SendObserver:
         if t.numel() == 0 or t.untyped_storage().data_ptr() != self.flat.untyped_storage().data_ptr():
             return None
         start = (t.data_ptr() - self.flat.data_ptr()) // max(1, t.element_size())
-        return next((c for c, (lo, hi) in enumerate(self.bounds) if (lo, hi) == (start, start + t.numel())),
-                    None)
+        span = (start, start + t.numel())
+        return next((c for c, bounds in enumerate(self.bounds) if bounds == span), None)
 
 
 def _on_rank(phase: str, reduce_scatter, all_gather, numel: int, seed: int):
@@ -127,12 +127,13 @@ def check_d(reduce_scatter, all_gather, cluster=None, world_sizes=WORLD_SIZES,
     the other ``world_sizes`` are started for the check and shut down after it (~5 s each).
     timeout: seconds per call before a hang is reported (the cluster stays usable).
     """
-    report = RingReport("D")
+    report = RingReport("Exercise D")
     blanks = {name: blanks_in(fn) for name, fn in
               (("ring_reduce_scatter", reduce_scatter), ("ring_all_gather", all_gather))}
     if all(blanks.values()):
         report.attempted = False
-        report.note = "Fill in the `...` in ring_reduce_scatter and ring_all_gather, then run this cell again."
+        report.note = ("Fill in the `...` in ring_reduce_scatter and ring_all_gather, then run "
+                       "this cell again.")
         return report
     runs = {p: {} for p in PHASES}     # phase -> {(N, numel): per-rank results}
     failed: dict[str, str] = {}        # phase -> what went wrong first
@@ -159,7 +160,7 @@ def check_d(reduce_scatter, all_gather, cluster=None, world_sizes=WORLD_SIZES,
                             failed[phase] = f"{wrong} ({case})"
     _judge(report, runs, failed, world_sizes)
     report.trace = _trace(runs["all-reduce"].get(TRACE_CASE))
-    if report.trace is None and not failed:
+    if report.trace is None and TRACE_CASE in runs["all-reduce"]:
         report.note = ("Your sends could not be replayed (a send was not a chunk of the tensor, "
                        "e.g. a copy): the drawing needs chunk views.")
     return report
@@ -172,7 +173,7 @@ def _first_difference(phase: str, out, n: int, numel: int) -> str:
         bad = (result[lo:hi] != expected[lo:hi]).nonzero()
         if len(bad):
             i = lo + int(bad[0])
-            what = f"rank {rank}'s chunk {rank}" if phase == "reduce-scatter" else f"rank {rank}'s result"
+            what = f"rank {rank}'s " + (f"chunk {rank}" if phase == "reduce-scatter" else "result")
             return (f"{what} differs from dist.all_reduce at element {i}: "
                     f"{result[i].item():g} vs {expected[i].item():g}")
     return ""
@@ -208,15 +209,14 @@ def _judge_bytes(done) -> tuple[bool, str]:
             want = 4 * sum(bounds[s.chunk][1] - bounds[s.chunk][0] for step in steps for s in step
                            if s.src == rank)
             if got != want:
-                psi = 4 * numel
-                rule = (f"(N-1)/N·Ψ = {want}" if numel % n == 0 else
-                        f"every chunk but one, {n - 1} of {n} = {want}")
+                rule = f"(N-1)/N·Ψ = {want}" if numel % n == 0 else f"every chunk but one = {want}"
                 return False, (f"rank {rank} sent {got} bytes in the {phase}; a ring sends {rule} "
-                               f"(N={n}, {numel} float32 elements, Ψ = {psi} bytes)")
-    example = next(((n, numel) for _, (n, numel), _ in done if numel and numel % n == 0 and n > 2), None)
-    if example is None:
+                               f"(N={n}, {numel} float32 element{'s' * (numel != 1)}, "
+                               f"Ψ = {4 * numel} bytes)")
+    divisible = [(n, numel) for _, (n, numel), _ in done if numel and numel % n == 0 and n > 2]
+    if not divisible:
         return True, ""
-    n, numel = example
+    n, numel = max(divisible)
     return True, (f"e.g. N={n}, Ψ = {4 * numel} bytes: {2 * (n - 1) * 4 * numel // n} bytes per rank "
                   f"= 2(N-1)/N·Ψ")
 

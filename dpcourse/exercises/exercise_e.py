@@ -47,8 +47,8 @@ class DDPReport(Report):
 
 class AllReduceRecorder:
     """Inside ``with AllReduceRecorder(buffers, timeline) as rec:``, every ``dist.all_reduce``
-    is recorded: (step, bucket index or None, bytes) in ``rec.launches``, and its span from
-    launch to completion in ``timeline``. ``buffers``: the buckets' flat buffers, by index."""
+    is recorded: (step, bucket index or None, bytes, blocking) in ``rec.launches``, and its
+    span from launch to completion in ``timeline``. ``buffers``: the buckets' flat buffers, by index."""
 
     def __init__(self, buffers, timeline: Timeline):
         self.where = {b.data_ptr(): i for i, b in enumerate(buffers)}
@@ -60,9 +60,9 @@ class AllReduceRecorder:
         def all_reduce(tensor, *args, **kwargs):
             start, nbytes = time.perf_counter(), tensor.numel() * tensor.element_size()
             index = self.where.get(tensor.data_ptr())
-            self.launches.append((self.step, index, nbytes))
             name = f"bucket {index}" if index is not None else f"{nbytes} B"
             work = real(tensor, *args, **kwargs)
+            self.launches.append((self.step, index, nbytes, work is None))
             if work is None:  # blocking: it is already done
                 self.timeline.add(COMM, "all_reduce", name, start, nbytes=nbytes)
                 return work
@@ -124,7 +124,7 @@ def check_e(cls, cluster=None, timeout: float = 60.0) -> DDPReport:
     cluster: a ``dpc.Cluster`` of 2 or more ranks to use (None: one of 2 ranks is started for
     the check and shut down after it, ~5 s). timeout: seconds per training run.
     """
-    report = DDPReport("E")
+    report = DDPReport("Exercise E")
     if blanks_in(cls):
         report.attempted = False
         report.note = (f"Fill in the `...` in {cls.__name__}.grad_ready (and write "
@@ -173,15 +173,16 @@ def _why(got: torch.Tensor, want: torch.Tensor, world: int) -> str:
 def _judge_buckets(result) -> tuple[bool, str]:
     names, launches = result["buckets"], result["launches"]
     for step in range(STEPS):
-        counts = [sum(1 for s, b, _ in launches if s == step and b == i) for i in range(len(names))]
+        counts = [sum(1 for s, b, *_ in launches if s == step and b == i) for i in range(len(names))]
         for i, count in enumerate(counts):
             if count != 1:
-                what = ("was never all-reduced: its gradients stayed local" if count == 0 else
-                        f"was all-reduced {count} times")
-                return False, f"bucket {i} ({', '.join(names[i])}) {what} in step {step} (rank 0)"
-    others = [nbytes for _, b, nbytes in launches if b is None]
+                what = (f"was never all-reduced in step {step}: its gradients stayed local"
+                        if count == 0 else f"was all-reduced {count} times in step {step}")
+                return False, f"bucket {i} ({', '.join(names[i])}) {what} (rank 0)"
+    others = [nbytes for _, b, nbytes, _ in launches if b is None]
     if others:
-        return False, f"{len(others)} all-reduce(s) of tensors that are no bucket's buffer, e.g. {others[0]} B"
+        return False, (f"{len(others)} all-reduce(s) of tensors that are no bucket's buffer, "
+                       f"e.g. {others[0]} B: all-reduce bucket.buffer itself")
     return True, f"{len(names)} buckets x {STEPS} steps"
 
 
@@ -200,6 +201,9 @@ def _judge_overlap(mine, theirs) -> tuple[bool | None, str]:
     torch_early, torch_total = _during_backward(theirs[0])
     if total == 0:
         return None, "no all-reduce was launched"
+    if any(blocking for *_, blocking in mine[0]["launches"]):
+        return False, ("your all-reduces block: backward stops at each one until every rank has "
+                       "sent its bucket -- pass async_op=True, keep the Work, wait at the end")
     detail = (f"{early} of {total} all-reduces launched before the last layer's backward began "
               f"(torch DDP: {torch_early} of {torch_total}; rank 0, last step)")
     if early == 0:

@@ -4,6 +4,11 @@
 * ``clusters_for(cluster, world_sizes)``: the clusters a check needs, reusing the learner's.
 * ``run_or_failure(cluster, fn, ...)``: ``cluster.run``, with a rank's exception or a hang
   returned as a ``RankFailure`` a checker can put in an item (the cluster stays usable).
+
+A fresh rank process imports the checker's modules (this package pulls in
+``dpcourse.scratch``) when it first unpickles a checker function: seconds on a busy
+machine, longer than a short hang timeout. So ``warm_up`` runs first on every cluster, and
+again after a failure has restarted the ranks, with a generous timeout of its own.
 """
 from __future__ import annotations
 
@@ -48,6 +53,7 @@ def clusters_for(cluster, world_sizes):
             if n not in clusters:
                 clusters[n] = Cluster(world_size=n, timeout=60)
                 started.append(clusters[n])
+            warm_up(clusters[n])
         yield clusters
     finally:
         for c in started:
@@ -63,10 +69,20 @@ class RankFailure:
 
     def describe(self, timeout: float) -> str:
         if self.kind == "hang":
-            return (f"the ranks did not finish within {timeout:g} s -- a rank waits for a message "
-                    f"that is never sent ({self.summary}); does every rank receive from the rank "
-                    "that sends to it, the same number of times?")
+            where = f" ({self.summary})" if "waiting in" in self.summary else ""
+            return (f"the ranks did not finish within {timeout:g} s{where} -- a rank waits for a "
+                    "message that is never sent: does every rank receive from the rank that sends "
+                    "to it, the same number of times?")
         return self.summary
+
+
+def _ready() -> bool:
+    return True
+
+
+def warm_up(cluster, timeout: float = 180.0) -> None:
+    """Have every rank import this package (and what it imports) before anything is timed."""
+    cluster.run(_ready, timeout=timeout)
 
 
 def run_or_failure(cluster, fn, *args, timeout: float, **kwargs):
@@ -76,9 +92,12 @@ def run_or_failure(cluster, fn, *args, timeout: float, **kwargs):
         return cluster.run(fn, *args, timeout=timeout, **kwargs)
     except RankTimeout as err:
         stuck = [r for r in err.reports.values() if r.state == "running"] or list(err.reports.values())
-        return RankFailure("hang", "; ".join(f"rank {r.rank} {r.summary}".strip() for r in stuck[:2]))
+        failure = RankFailure("hang", "; ".join(f"rank {r.rank} {r.summary}".strip() for r in stuck[:2]))
     except RankError as err:
-        if not err.failures:
-            return RankFailure("raised", str(err).splitlines()[0])
-        first = err.failures[min(err.failures)]
-        return RankFailure("raised", f"rank {first.rank} {first.summary}")
+        if err.failures:
+            first = err.failures[min(err.failures)]
+            failure = RankFailure("raised", f"rank {first.rank} {first.summary}")
+        else:
+            failure = RankFailure("raised", str(err).splitlines()[0])
+    warm_up(cluster)  # the failure restarted the ranks: fresh processes, nothing imported
+    return failure

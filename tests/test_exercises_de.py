@@ -1,0 +1,264 @@
+"""Exercises D (ring from isend/irecv) and E (bucketed DDP): each checker passes the reference,
+says "not attempted" for the notebook's untouched starter, and fails, naming the right
+item, on typical mistakes. Every check runs the learner's code on real Gloo ranks."""
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+import torch
+from nbclient import NotebookClient
+
+import dpcourse as dpc
+from dpcourse.collectives import rank_input, simulate
+from dpcourse.exercises import exercise_e
+from dpcourse.exercises.solutions import bucketed_e, ring_d
+
+pytestmark = pytest.mark.timeout(300)
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = ROOT / "notebooks" / "exercises"
+RING = Path(ring_d.__file__).read_text()
+BUCKETED = Path(bucketed_e.__file__).read_text()
+
+
+def starter(notebook: str, marker: str) -> str:
+    """The source of the notebook's code cell that contains ``marker``."""
+    nb = nbformat.read(NOTEBOOKS / notebook, as_version=4)
+    cells = [c.source for c in nb.cells if c.cell_type == "code" and marker in c.source]
+    assert len(cells) == 1, f"{notebook}: expected one cell with {marker!r}"
+    return cells[0]
+
+
+def define(source: str, *names):
+    """Run ``source`` as a notebook cell would (its module is not importable, so the pool
+    sends its functions by value) and return the objects called ``names``."""
+    namespace = {"__name__": "exercise_cell", "dpc": dpc}
+    exec(compile(source, "<exercise cell>", "exec"), namespace)
+    return [namespace[n] for n in names]
+
+
+def edited(text: str, old: str, new: str) -> str:
+    assert old in text, f"the reference changed: {old!r} is no longer in it"
+    return text.replace(old, new)
+
+
+def item(report, start: str):
+    return next(i for i in report.items if i.name.startswith(start))
+
+
+@pytest.fixture(scope="module")
+def cluster3():
+    with dpc.Cluster(world_size=3, timeout=60) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def cluster5():
+    with dpc.Cluster(world_size=5, timeout=60) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def rings(cluster2, cluster3, cluster4, cluster5):
+    return [cluster2, cluster3, cluster4, cluster5]
+
+
+# --- Exercise D --------------------------------------------------------------------------------
+
+def test_d_reference_and_the_course_ring_pass_and_replay_the_schedule(rings):
+    for fns in ((ring_d.ring_reduce_scatter, ring_d.ring_all_gather),
+                (dpc.collectives.ring_reduce_scatter, dpc.collectives.ring_all_gather)):
+        report = dpc.exercises.check_d(*fns, cluster=rings)
+        assert report.passed and "passed (5 of 5 checks)" in str(report), str(report)
+        # the example the bytes item gives: the largest N, 60 float32 elements: 2*4/5 * 240 B
+        assert "e.g. N=5, Ψ = 240 bytes: 384 bytes per rank" in item(report, "each rank sends 2").detail
+        trace = report.trace  # the learner's own sends, as the player replays them
+        plan = simulate("ring_all_reduce", 4, 8)
+        assert [(t.phase, t.step, t.src, t.dst, t.chunk, t.nbytes) for t in trace.transfers] == \
+            [(t.phase, t.step, t.src, t.dst, t.chunk, t.nbytes) for t in plan.transfers]
+        last = trace.frames()[-1]
+        assert all(set(who) == set(range(4)) for row in last.holding for who in row)
+        total = sum(rank_input(r, 8, seed=4).float() for r in range(4))
+        assert all(torch.equal(v, total) for v in last.values)
+        fig = dpc.viz.plot_ring_trace(trace)
+        assert len(fig.axes) >= trace.num_steps + 1 == 7
+
+
+def test_d_untouched_starter_is_not_attempted_without_starting_ranks():
+    rs_source = starter("D-ring-all-reduce.ipynb", "def ring_reduce_scatter")
+    ag_source = starter("D-ring-all-reduce.ipynb", "def ring_all_gather")
+    rs, ag = define("import torch\nimport torch.distributed as dist\n" + rs_source + "\n" + ag_source,
+                    "ring_reduce_scatter", "ring_all_gather")
+    start = time.monotonic()
+    report = dpc.exercises.check_d(rs, ag)
+    assert time.monotonic() - start < 2  # judged from the code alone: no ranks started
+    assert not report.attempted and not report.passed and report.trace is None
+    assert "not attempted yet" in str(report) and "`...`" in str(report)
+
+
+def test_d_half_done_judges_the_finished_half(rings):
+    ag_source = starter("D-ring-all-reduce.ipynb", "def ring_all_gather")
+    rs, ag = define(RING + "\n" + ag_source, "ring_reduce_scatter", "ring_all_gather")
+    report = dpc.exercises.check_d(rs, ag, cluster=rings, world_sizes=(2, 3))
+    assert item(report, "reduce-scatter:").status == "pass"
+    gather = item(report, "all-gather:")
+    assert gather.status == "fail" and "fill in the `...` in ring_all_gather" in gather.detail
+    assert item(report, "reduce-scatter then").status == "skip"
+
+
+def test_d_an_off_by_one_chunk_index_is_named_with_the_element_and_values(rings):
+    wrong = edited(RING, "send_c = (rank - step - 1) % n", "send_c = (rank - step) % n")
+    wrong = edited(wrong, "recv_c = (rank - step - 2) % n", "recv_c = (rank - step - 1) % n")
+    report = dpc.exercises.check_d(*define(wrong, "ring_reduce_scatter", "ring_all_gather"),
+                                   cluster=rings, world_sizes=(2, 3))
+    bad = item(report, "reduce-scatter:")
+    assert bad.status == "fail", str(report)
+    found = re.fullmatch(r"rank (\d)'s chunk \1 differs from dist\.all_reduce at element (\d+): "
+                         r"(\S+) vs (\S+) \(N=(\d), (\d+) elements?\)", bad.detail)
+    assert found, bad.detail
+    rank, element, got, want, n, numel = found.groups()
+    # the expected value, derived here: the sum over the ranks of the checker's inputs
+    assert float(want) == sum(rank_input(r, int(numel), seed=int(n))[int(element)].item() for r in range(int(n)))
+    assert float(got) != float(want)
+    assert item(report, "all-gather:").status == "pass"
+
+
+def test_d_sending_the_whole_tensor_every_step_fails_on_bytes_only(rings):
+    wrong = edited(RING, "        buf = incoming[:chunks[recv_c].numel()]\n"
+                         "        send = dist.isend(chunks[send_c], dst=right)\n",
+                   "        whole = torch.empty_like(tensor.view(-1))\n"
+                   "        send = dist.isend(tensor.view(-1), dst=right)\n"
+                   "        buf = whole.tensor_split(n)[recv_c]\n")
+    wrong = edited(wrong, "recv = dist.irecv(buf, src=left)", "recv = dist.irecv(whole, src=left)")
+    report = dpc.exercises.check_d(*define(wrong, "ring_reduce_scatter", "ring_all_gather"),
+                                   cluster=rings, world_sizes=(3, 4))
+    assert [i.status for i in report.items] == ["pass", "pass", "pass", "fail", "pass"], str(report)
+    found = re.match(r"rank 0 sent (\d+) bytes in the reduce-scatter; a ring sends .* = (\d+) "
+                     r"\(N=(\d), (\d+) float32", item(report, "each rank sends 2").detail)
+    assert found, str(report)
+    sent, ring, n, numel = map(int, found.groups())
+    assert sent == (n - 1) * 4 * numel  # N-1 whole tensors
+    assert ring == 4 * numel - 4 * (numel // n + (numel % n > 0))  # every chunk but rank 0's
+
+
+def test_d_a_hang_is_a_failed_item_and_the_cluster_stays_usable(rings, cluster3):
+    wrong = edited(RING, "recv = dist.irecv(buf, src=left)", "recv = dist.irecv(buf, src=right)")
+    start = time.monotonic()
+    report = dpc.exercises.check_d(*define(wrong, "ring_reduce_scatter", "ring_all_gather"),
+                                   cluster=rings, world_sizes=(2, 3), timeout=5)
+    bad = item(report, "reduce-scatter:")
+    # at N=2 left == right, so the bug shows from N=3 on
+    assert bad.status == "fail" and bad.detail.startswith("N=3, 0 elements: the ranks did not finish within 5 s")
+    assert "never sent" in bad.detail
+    assert time.monotonic() - start < 60
+    assert cluster3.run(lambda: 7) == [7, 7, 7]
+
+
+# --- Exercise E --------------------------------------------------------------------------------
+
+MISTAKES_E = [
+    ("no overlap: every bucket launched after backward",
+     [("        if len(bucket.ready) == len(bucket.params):   # the last gradient of the bucket\n"
+       "            bucket.buffer.div_(self.world_size)      # sum of (g / N) over N ranks = the mean\n"
+       "            bucket.work = dist.all_reduce(bucket.buffer, async_op=True)  # returns at once\n", ""),
+      ("        for bucket in self.buckets.buckets:\n            if bucket.work is not None:",
+       "        for bucket in self.buckets.buckets:\n"
+       "            bucket.buffer.div_(self.world_size)\n"
+       "            bucket.work = dist.all_reduce(bucket.buffer, async_op=True)\n"
+       "            if bucket.work is not None:")],
+     "all-reduces start while backward", "launch each bucket in grad_ready"),
+    ("blocking all-reduce",
+     [("bucket.work = dist.all_reduce(bucket.buffer, async_op=True)", "bucket.work = dist.all_reduce(bucket.buffer)")],
+     "all-reduces start while backward", "pass async_op=True"),
+    ("sums instead of averaging",
+     [("            bucket.buffer.div_(self.world_size)      # sum of (g / N) over N ranks = the mean\n", "")],
+     "gradients equal torch DDP's", "yours are 2.00x torch DDP's: summed, not averaged"),
+    ("a bucket is never launched",
+     [("        bucket.ready.add(i)\n        if len(bucket.ready) == len(bucket.params):",
+       "        if len(bucket.ready) == len(bucket.params):"),
+      ("            bucket.work = dist.all_reduce(bucket.buffer, async_op=True)  # returns at once\n",
+       "            bucket.work = dist.all_reduce(bucket.buffer, async_op=True)  # returns at once\n"
+       "        bucket.ready.add(i)\n")],
+     "each bucket is all-reduced exactly once", "was never all-reduced in step 0: its gradients stayed local"),
+]
+
+
+def test_e_reference_and_the_course_bucketed_ddp_pass(cluster2):
+    names = [n for n, _ in dpc.models.build_model("mlp", d_hidden=30, depth=3).named_parameters()][::-1]
+    plan = exercise_e.expected_buckets()
+    assert len(plan) == 3
+    for cls in (bucketed_e.MyBucketedDDP, dpc.scratch.BucketedDDP):
+        report = dpc.exercises.check_e(cls, cluster=cluster2)
+        assert report.passed and "passed (4 of 4 checks)" in str(report), str(report)
+        assert item(report, "each bucket").detail == f"{len(plan)} buckets x 3 steps"
+        # every bucket but the last (which holds the first layer) leaves before that layer's backward
+        overlap = item(report, "all-reduces start").detail
+        assert overlap.startswith(f"{len(plan) - 1} of {len(plan)} all-reduces launched before")
+        assert f"(torch DDP: {len(plan) - 1} of {len(plan)};" in overlap
+        titles = [ax.get_title() for ax in report.figure.axes]
+        assert titles == ["your bucketed DDP", "torch DDP, same buckets"]
+    result = cluster2.run(exercise_e._train_on_rank, bucketed_e.MyBucketedDDP, steps=1)[0]
+    assert result["buckets"] == [[names[i] for i in b] for b in plan]
+
+
+def test_e_untouched_starter_is_not_attempted_without_starting_ranks():
+    (cls,) = define("import torch.distributed as dist\n" + starter("E-bucketed-ddp.ipynb", "class MyBucketedDDP"),
+                    "MyBucketedDDP")
+    start = time.monotonic()
+    report = dpc.exercises.check_e(cls)
+    assert time.monotonic() - start < 2
+    assert not report.attempted and not report.passed and report.figure is None
+    assert "not attempted yet" in str(report) and "MyBucketedDDP.grad_ready" in str(report)
+
+
+@pytest.mark.parametrize("mistake, edits, failing, words", MISTAKES_E, ids=[m[0] for m in MISTAKES_E])
+def test_e_each_mistake_fails_with_its_item_named(cluster2, mistake, edits, failing, words):
+    source = BUCKETED
+    for old, new in edits:
+        source = edited(source, old, new)
+    (cls,) = define(source, "MyBucketedDDP")
+    report = dpc.exercises.check_e(cls, cluster=cluster2)
+    bad = item(report, failing)
+    assert bad.status == "fail" and words in bad.detail, str(report)
+    others = [i.name for i in report.items if i.status == "fail" and i is not bad]
+    if mistake == "a bucket is never launched":  # local gradients differ from torch DDP's too
+        assert others == [exercise_e.ITEMS["grads"]], str(report)
+        assert item(report, "all-reduces start").status == "skip"
+    else:
+        assert not others, str(report)
+
+
+def test_e_a_rank_error_is_a_failed_item(cluster2):
+    (cls,) = define(edited(BUCKETED, "bucket.view(i).copy_(param.grad)", "bucket.view(i).copy_(param.grad.t())"),
+                    "MyBucketedDDP")
+    report = dpc.exercises.check_e(cls, cluster=cluster2)
+    first = report.items[0]
+    assert first.status == "fail" and first.detail.startswith("rank 0 raised RuntimeError")
+    assert [i.status for i in report.items[1:]] == ["skip"] * 3
+
+
+# --- Both ----------------------------------------------------------------------------------------
+
+def test_solutions_are_the_reference_files():
+    assert dpc.exercises.solution("d") == RING and dpc.exercises.solution("E") == BUCKETED
+    assert dpc.exercises.solution("A") == Path(dpc.scripts.path("train_ddp")).read_text()
+    with pytest.raises(ValueError, match=r"choose one of \['A', 'B', 'C', 'D', 'E'\]"):
+        dpc.exercises.solution("Z")
+
+
+def test_exercise_e_notebook_with_the_solution_filled_in(tmp_path):
+    """In a real kernel: the learner's class, defined in a cell, travels to the ranks by value."""
+    nb = nbformat.read(NOTEBOOKS / "E-bucketed-ddp.ipynb", as_version=4)
+    cell = next(c for c in nb.cells if c.cell_type == "code" and "class MyBucketedDDP" in c.source)
+    cell.source = BUCKETED.split('"""', 2)[2].replace("from dpcourse.scratch import BucketedDDP\n", "")
+    cell.source = cell.source.replace("(BucketedDDP)", "(dpc.scratch.BucketedDDP)")
+    NotebookClient(nb, timeout=300, resources={"metadata": {"path": str(tmp_path)}}).execute()
+    shown = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+             if c.source.startswith("report = ") and o.get("output_type") == "execute_result"]
+    assert shown and "passed (4 of 4 checks)" in shown[0]["data"]["text/plain"]
+    figures = [o for c in nb.cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
+    assert len(figures) == 1
