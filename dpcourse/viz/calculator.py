@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import io
 
-from ..memory.fit import equal_units, fit_table, transformer_units
+from ..memory.fit import equal_units, fit_table, recommend, transformer_units
 from ..memory.layout import transformer_num_params
 from ..memory.ledger import CATEGORIES, OPTIMIZERS
 from ..memory.sizes import UNITS, in_unit
 from .memory import CATEGORY_COLORS, LABELS
+from .png import show_png
 
 ZERO_PRESET = {"mode": "parameters", "billions": 7.5, "world_size": 64, "precision": "mixed",
                "optimizer": "adam", "device_gb": 32.0, "activations_gb": 0.0}  # ZeRO paper, Fig. 1
@@ -22,7 +23,7 @@ def render_fit_png(rows, device_bytes: int, unit: str = "GB") -> bytes:
     """Horizontal stacked bars (at rest) with the peak marked, and the device's memory."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(8, 0.45 * len(rows) + 1.4))
+    fig = Figure(figsize=(8, 0.45 * len(rows) + 1.8))
     ax = fig.subplots()
     for i, row in enumerate(rows):
         left = 0.0
@@ -36,15 +37,17 @@ def render_fit_png(rows, device_bytes: int, unit: str = "GB") -> bytes:
     ax.set_yticks(range(len(rows)), [("" if r["fits"] else "✗ ") + r["strategy"] for r in rows], fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel(f"{unit} per rank (bars: at rest; black tick: peak with transients)")
-    ax.legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
+    # below the axes, never on a bar, and the figure stays narrow enough for a notebook
+    fig.legend(*ax.get_legend_handles_labels(), fontsize=7, loc="lower center", ncol=6, frameon=False)
+    fig.tight_layout(rect=(0, 0.45 / fig.get_figheight(), 1, 1))
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=80)
+    fig.savefig(buf, format="png", dpi=90)
     return buf.getvalue()
 
 
 class MemoryCalculator:
-    """Widgets for the ledger of every strategy; flags the ones that do not fit.
+    """Widgets for the ledger of every strategy; flags the ones that do not fit and names the
+    strategy ``dpcourse.memory.recommend`` picks.
 
     ``verdict`` holds the last text shown; ``apply(**values)`` sets inputs from code.
     """
@@ -67,7 +70,7 @@ class MemoryCalculator:
         self.device_gb = w.FloatText(value=80.0, description="device (GB)", style=style)
         self.activations_gb = w.FloatText(value=0.0, description="activations (GB)", style=style)
         self.unit = w.ToggleButtons(options=["GB", "GiB"], value="GB")
-        self.preset = w.Button(description="ZeRO paper: 7.5B on 64 GPUs")
+        self.preset = w.Button(description="ZeRO paper: 7.5B on 64 GPUs", layout=w.Layout(width="auto"))
         self.text = w.HTML()
         self.image = w.Image(format="png")
         self.inputs = [self.mode, self.billions, self.num_units, self.n_layers, self.d_model,
@@ -114,12 +117,18 @@ class MemoryCalculator:
         """Recompute the ledger of every strategy and redraw."""
         if getattr(self, "_quiet", False):
             return
+        by_count = self.mode.value == "parameters"
+        self.billions.disabled = self.num_units.disabled = not by_count  # the shape decides
+        for box in (self.n_layers, self.d_model, self.vocab_size, self.seq_len):
+            box.disabled = by_count
         try:
             n, world = self.num_params(), self.world_size.value
             device = int(self.device_gb.value * 1e9)
+            options = dict(units=self.units(), activation_bytes=int(self.activations_gb.value * 1e9))
             self.rows = fit_table(n, world, device, self.precision.value, self.optimizer.value,
-                                  shard_group_size=self.gpus_per_node.value, units=self.units(),
-                                  activation_bytes=int(self.activations_gb.value * 1e9))
+                                  shard_group_size=self.gpus_per_node.value, **options)
+            choice, why = recommend(n, world, device, self.gpus_per_node.value, self.precision.value,
+                                    self.optimizer.value, **options)
         except ValueError as err:
             self.verdict = f"cannot compute: {err}"
             self.text.value = f"<b style='color:#b00'>{self.verdict}</b>"
@@ -127,11 +136,13 @@ class MemoryCalculator:
         unit = self.unit.value
         fit = [r["strategy"] for r in self.rows if r["fits"]]
         misses = [r["strategy"] for r in self.rows if not r["fits"]]
-        self.verdict = (f"{n / 1e9:.3g}e9 parameters on {world} ranks, device {self.device_gb.value:g} GB: "
+        ranks = f"{world} rank" + ("s" if world != 1 else "")
+        self.verdict = (f"{n / 1e9:.3g}e9 parameters on {ranks}, device {self.device_gb.value:g} GB: "
                         + (f"fits with {', '.join(fit)}" if fit else "does not fit with any strategy")
-                        + (f"; does not fit: {', '.join(misses)}" if misses else ""))
+                        + (f"; does not fit: {', '.join(misses)}" if fit and misses else "")
+                        + f". The rule picks {choice}: {why}")
         self.text.value = self.verdict.replace("does not fit", "<b style='color:#b00'>does not fit</b>")
-        self.image.value = render_fit_png(self.rows, device, unit if unit in UNITS else "GB")
+        show_png(self.image, render_fit_png(self.rows, device, unit if unit in UNITS else "GB"))
 
     def _ipython_display_(self):
         from IPython.display import display

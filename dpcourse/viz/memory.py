@@ -123,9 +123,12 @@ def draw_ledger_frame(axes, configs, k: int, unit: str = "KiB") -> None:
     """Frame ``k`` of the step: per configuration, one stacked bar per rank, theory as outline."""
     from matplotlib.patches import Patch, Rectangle
 
+    # one y-axis for every panel and frame, so the strategies' heights compare at a glance
+    everyone = [r for config in configs for r in (config if isinstance(config, (list, tuple)) else [config])]
+    top = max([sum(f["peak"].values()) for r in everyone for f in r["frames"]]
+              + [report.theory_for(r).peak for r in everyone])
     for ax, config in zip(axes, configs):
         ranks = config if isinstance(config, (list, tuple)) else [config]
-        top = max(sum(f["peak"].values()) for r in ranks for f in r["frames"])
         ax.clear()
         phase = "?"
         for r, result in enumerate(ranks):
@@ -135,7 +138,7 @@ def draw_ledger_frame(axes, configs, k: int, unit: str = "KiB") -> None:
             expected = sum(report.theory_for(result).phases[phase_kind(phase)].values())
             ax.add_patch(Rectangle((r - 0.36, 0), 0.72, in_unit(expected, unit), fill=False,
                                    ls="--", lw=1.2, ec="k"))
-        ax.set_ylim(0, in_unit(max(top, expected), unit) * 1.08)
+        ax.set_ylim(0, in_unit(top, unit) * 1.08)
         ax.set_xlim(-0.6, len(ranks) - 0.4)
         ax.set_xticks(range(len(ranks)), [f"rank {r}" for r in range(len(ranks))], fontsize=7)
         ax.set_title(f"{report.label(ranks[0])}\n{phase}", fontsize=8)
@@ -183,11 +186,13 @@ class LedgerPlayer:
         self.show()
 
     def show(self) -> None:
-        """Draw the frame the slider points at (cached once drawn)."""
+        """Draw the frame the slider points at (cached once drawn), at its natural size."""
+        from .png import show_png
+
         k = self.slider.value
         if k not in self._png:
             self._png[k] = render_ledger_png(self.configs, k, self.unit)
-        self.image.value = self._png[k]
+        show_png(self.image, self._png[k])
 
     def _ipython_display_(self):
         from IPython.display import display

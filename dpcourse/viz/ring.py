@@ -15,25 +15,80 @@ import math
 from .colors import EMPTY, rank_color
 
 
+_BLOCK_W, _BLOCK_H = 0.8, 0.4  # a rank's block of chunks, in data units
+
+
+def _radius(n: int) -> float:
+    """Ring radius in data units: wider for 4+ ranks so labels and arrows keep apart."""
+    return 1.0 if n <= 3 else 1.5
+
+
 def _positions(n: int):
     # rank 0 at the top, clockwise, so "rank r sends to r+1" runs clockwise round the ring
-    return [(math.sin(2 * math.pi * r / n), math.cos(2 * math.pi * r / n)) for r in range(n)]
+    radius = _radius(n)
+    return [(radius * math.sin(2 * math.pi * r / n), radius * math.cos(2 * math.pi * r / n))
+            for r in range(n)]
+
+
+def _edge_point(centre, towards, margin: float = 0.06):
+    """Where the segment from a block's ``centre`` towards ``towards`` leaves the block."""
+    (x, y), (tx, ty) = centre, towards
+    dx, dy = tx - x, ty - y
+    hw, hh = _BLOCK_W / 2 + margin, _BLOCK_H / 2 + 0.12 + margin  # + the chunk names above
+    t = min(hw / abs(dx) if dx else math.inf, hh / abs(dy) if dy else math.inf)
+    return x + t * dx, y + t * dy
+
+
+def _draw_transfer(ax, start, end, what: str, color, rad: float = -0.25) -> None:
+    """An arrow from the block at ``start`` to the block at ``end`` (data units) bending by
+    ``rad``, labelled ``what`` at the middle of its arc."""
+    from matplotlib.patches import FancyArrowPatch
+
+    a, b = _edge_point(start, end), _edge_point(end, start)
+    ax.add_patch(FancyArrowPatch(a, b, connectionstyle=f"arc3,rad={rad}", arrowstyle="-|>",
+                                 mutation_scale=10, lw=1.2, color=color, alpha=0.8,
+                                 shrinkA=0, shrinkB=0))
+    # the middle of matplotlib's arc3 Bezier curve is half the control point's offset
+    mx = (a[0] + b[0]) / 2 + 0.5 * rad * (b[1] - a[1])
+    my = (a[1] + b[1]) / 2 - 0.5 * rad * (b[0] - a[0])
+    ax.text(mx, my, what, fontsize=7, ha="center", va="center", color=color,
+            bbox=dict(boxstyle="round,pad=0.1", fc="white", ec="none", alpha=0.85))
+
+
+def _rank_label(ax, trace, frame, r: int, x: float, y: float, show_values: bool) -> None:
+    """Rank ``r``'s bytes sent (and values) on the outer side of its block, where no arrow
+    runs: above a block at the top, beside one at the sides, below one at the bottom."""
+    values = []
+    if show_values and frame.values is not None and trace.numel <= 8:
+        values = [str(v) for v in frame.values[r].tolist()]
+    radius, color = _radius(trace.world_size), rank_color(r)
+    if abs(x) > 0.7 * radius:  # at a side: a narrow label, values four to a line
+        lines = [f"rank {r}:", f"sent {frame.bytes_sent[r]} B"]
+        lines += [" ".join(values[i:i + 4]) for i in range(0, len(values), 4)]
+        ax.text(x + math.copysign(_BLOCK_W / 2 + 0.06, x), y, "\n".join(lines), fontsize=6.5,
+                ha="left" if x > 0 else "right", va="center", color=color)
+        return
+    label = "\n".join([f"rank {r}: sent {frame.bytes_sent[r]} B"] + ([" ".join(values)] if values else []))
+    if y > 0:
+        ax.text(x, y + _BLOCK_H / 2 + 0.14, label, ha="center", va="bottom", fontsize=6.5, color=color)
+    else:
+        ax.text(x, y - _BLOCK_H / 2 - 0.03, label, ha="center", va="top", fontsize=6.5, color=color)
 
 
 def draw_frame(ax, trace, frame, show_values: bool = True) -> None:
     """Draw one ``Frame`` of ``trace`` on a matplotlib Axes."""
-    from matplotlib.patches import FancyArrowPatch, Rectangle
+    from matplotlib.patches import Rectangle
 
     n = trace.world_size
-    pos = _positions(n)
-    width = 0.8 if n > 1 else 1.0   # of a rank's block of chunks, in data units
-    cw, ch = width / n, 0.4
-    ax.set_xlim(-1.65, 1.65)
-    ax.set_ylim(-1.7, 1.55)
+    pos, radius = _positions(n), _radius(n)
+    cw, ch = _BLOCK_W / n, _BLOCK_H
+    side = 1.25 if n >= 3 else 0.6   # room for the labels beside the side blocks
+    ax.set_xlim(-radius - side, radius + side)
+    ax.set_ylim(-radius - 0.6, radius + 0.85)
     ax.set_aspect("equal")
     ax.axis("off")
     for r, (x, y) in enumerate(pos):
-        left, bottom = x - width / 2, y - ch / 2
+        left, bottom = x - _BLOCK_W / 2, y - ch / 2
         for c in range(n):
             who = frame.holding[r][c]
             for k in range(n):
@@ -43,19 +98,10 @@ def draw_frame(ax, trace, frame, show_values: bool = True) -> None:
             ax.add_patch(Rectangle((left + c * cw, bottom), cw, ch, fill=False, lw=0.8))
             ax.text(left + (c + 0.5) * cw, bottom + ch + 0.02, f"c{c}", ha="center",
                     va="bottom", fontsize=6, color="0.35")
-        label = f"rank {r}: sent {frame.bytes_sent[r]} B"
-        if show_values and frame.values is not None and trace.numel <= 8:
-            label += "\n" + " ".join(str(v) for v in frame.values[r].tolist())
-        ax.text(x, bottom - 0.03, label, ha="center", va="top", fontsize=6.5,
-                color=rank_color(r))
+        _rank_label(ax, trace, frame, r, x, y, show_values)
     for t in frame.transfers:
-        (x0, y0), (x1, y1) = pos[t.src], pos[t.dst]
-        ax.add_patch(FancyArrowPatch((x0, y0), (x1, y1), connectionstyle="arc3,rad=-0.25",
-                                     arrowstyle="-|>", mutation_scale=10, lw=1.2,
-                                     color=rank_color(t.src), shrinkA=18, shrinkB=18, alpha=0.8))
-        what = "all" if t.chunk is None else f"c{t.chunk}"
-        mx, my = (x0 + x1) / 2 * 0.45, (y0 + y1) / 2 * 0.45
-        ax.text(mx, my, what, fontsize=7, ha="center", va="center", color=rank_color(t.src))
+        _draw_transfer(ax, pos[t.src], pos[t.dst], "all" if t.chunk is None else f"c{t.chunk}",
+                       rank_color(t.src))
     total = len(trace.steps())
     title = "start: each rank holds only its own data" if frame.number == 0 else \
         f"step {frame.number}/{total}: {frame.phase}"
@@ -80,12 +126,25 @@ def plot_ring_trace(trace, columns: int = 4, panel_size: float = 3.0):
     return fig
 
 
-def render_frame_png(trace, frame, size: float = 4.2, dpi: int = 100) -> bytes:
-    """One frame as PNG bytes (what the player shows)."""
+def frame_figure(trace, frame, size: float = 4.2):
+    """One frame as a matplotlib Figure; ``size``: inches of the 2-rank drawing's height,
+    larger rings get proportionally larger figures (the same font size)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(size, size))
-    draw_frame(fig.add_subplot(), trace, frame)
+    fig = Figure()
+    FigureCanvasAgg(fig)
+    ax = fig.add_axes((0, 0, 1, 0.93))
+    draw_frame(ax, trace, frame)
+    (x0, x1), (y0, y1) = ax.get_xlim(), ax.get_ylim()
+    per_unit = size / 3.45  # inches per data unit; 3.45 units: the height of a 2-rank ring
+    fig.set_size_inches(per_unit * (x1 - x0), per_unit * (y1 - y0) / 0.93)
+    return fig
+
+
+def render_frame_png(trace, frame, size: float = 4.2, dpi: int = 100) -> bytes:
+    """One frame as PNG bytes (what the player shows, at this natural size)."""
+    fig = frame_figure(trace, frame, size)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
     return buf.getvalue()
@@ -96,7 +155,9 @@ class RingPlayer:
 
     make_trace(world_size, numel) -> Trace: called at start and whenever N or the size
     changes; in the course it runs a real traced all-reduce on ranks (drawing itself never
-    starts processes). Display the player by leaving it as a cell's last expression.
+    starts processes). If a later call raises (a closed cluster, a rank error), the player
+    shows the error in its ``errors`` output area, keeps the trace it had and stays usable.
+    Display the player by leaving it as a cell's last expression.
     """
 
     def __init__(self, make_trace, world_sizes=(2, 3, 4, 5), numels=(4, 8, 12, 1000),
@@ -110,20 +171,36 @@ class RingPlayer:
         self.world_size = w.Dropdown(options=list(world_sizes), value=world_size, description="N")
         self.numel = w.Dropdown(options=list(numels), value=numel, description="numel")
         self.image = w.Image(format="png")
-        self.status = w.Label()
+        self.status = w.HTML()
+        self.errors = w.Output()  # a failed re-run's traceback, shown under the controls
         self.widget = w.VBox([w.HBox([self.play, self.slider]),
-                              w.HBox([self.world_size, self.numel]), self.status, self.image])
+                              w.HBox([self.world_size, self.numel]), self.status, self.errors,
+                              self.image])
         self.slider.observe(lambda _: self.show(), names="value")
-        self.world_size.observe(lambda _: self.rerun(), names="value")
-        self.numel.observe(lambda _: self.rerun(), names="value")
+        self.world_size.observe(lambda _: self.changed(), names="value")
+        self.numel.observe(lambda _: self.changed(), names="value")
         self.trace, self.frames, self._png = None, [], {}
-        self.rerun()
+        self.rerun()  # a failure here raises in the cell that creates the player
+
+    def changed(self) -> None:
+        """N or numel changed (a widget callback): re-run, and show any error in the widget,
+        since an exception raised in a callback reaches only the server's log."""
+        import traceback
+
+        self.errors.outputs = ()  # (clear_output only works while a kernel captures it)
+        try:
+            self.rerun()
+        except Exception as err:  # noqa: BLE001 -- shown to the learner, nothing is lost
+            shown = "the previous trace" if self.trace is not None else "nothing"
+            self.status.value = (f"<b style='color:#b00'>{type(err).__name__}: {err}</b> "
+                                 f"(still showing {shown}; change N or numel to try again)")
+            self.errors.append_stderr(traceback.format_exc())
 
     def rerun(self) -> None:
         """Record a new trace for the chosen N and size; show its first frame."""
         self.status.value = f"running a traced all-reduce on {self.world_size.value} ranks..."
-        self.trace = self.make_trace(self.world_size.value, self.numel.value)
-        self.frames, self._png = self.trace.frames(), {}
+        trace = self.make_trace(self.world_size.value, self.numel.value)
+        self.trace, self.frames, self._png = trace, trace.frames(), {}
         self.slider.value = 0
         self.slider.max = self.play.max = len(self.frames) - 1
         self.status.value = (f"{self.trace.algorithm}: {self.trace.world_size} ranks, "
@@ -131,15 +208,15 @@ class RingPlayer:
         self.show()
 
     def show(self) -> None:
-        """Draw the frame the slider points at."""
+        """Draw the frame the slider points at, at its natural size."""
+        from .png import show_png
+
         k = min(self.slider.value, len(self.frames) - 1)
         if k not in self._png:
             self._png[k] = render_frame_png(self.trace, self.frames[k])
-        self.image.value = self._png[k]
+        show_png(self.image, self._png[k])
 
     def _ipython_display_(self):
         from IPython.display import display
 
         display(self.widget)
-
-
