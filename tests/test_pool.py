@@ -278,3 +278,18 @@ def test_counting_collectives_keeps_no_tensor_alive(cluster2):
         return [r() is None for r in refs]
 
     assert cluster2.run(freed) == [[True, True]] * 2
+
+
+def test_a_receive_nobody_sends_is_named(cluster2):
+    """Point-to-point calls are counted too (at the Python functions, where they are cheap)."""
+    def lonely():
+        if dist.get_rank() == 0:
+            dist.isend(torch.ones(2), dst=1).wait()   # matched by rank 1's first irecv
+            dist.irecv(torch.empty(2), src=1).wait()  # never sent
+        else:
+            dist.irecv(torch.empty(2), src=0).wait()
+
+    with pytest.raises(dpc.RankTimeout) as info:
+        cluster2.run(lonely, timeout=2)
+    assert "waiting in the 1st irecv of this call" in info.value.reports[0].summary
+    assert info.value.reports[1].state == "finished"
