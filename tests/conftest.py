@@ -34,6 +34,23 @@ def wait_gone(pids, timeout: float = 10.0, zombies_count: bool = False) -> list[
         time.sleep(0.05)
 
 
+def kill_tree(proc) -> None:
+    """SIGKILL a child started with ``start_new_session=True`` and everything it started.
+
+    torchrun puts each worker in a session of its own, so killing the child's process group
+    is not enough: its descendants are collected first (all ours), then killed."""
+    if proc.poll() is not None:
+        return
+    family = psutil.Process(proc.pid).children(recursive=True)
+    os.killpg(proc.pid, 9)
+    for p in family:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait()
+
+
 @pytest.fixture(autouse=True, scope="module")
 def no_leftover_processes():
     """After each test module: no process started by it may still run. Kills by PID, then fails."""
@@ -49,13 +66,14 @@ def no_leftover_processes():
     assert not alive, f"processes left behind by this module: {alive}"
 
 
-@pytest.fixture(scope="module")
-def cluster2():
-    with dpc.Cluster(world_size=2, timeout=60) as cluster:
-        yield cluster
+def _cluster_fixture(world_size: int):
+    """A module-scoped ``dpc.Cluster`` of ``world_size`` ranks, named ``cluster<world_size>``."""
+    @pytest.fixture(scope="module", name=f"cluster{world_size}")
+    def fixture():
+        with dpc.Cluster(world_size=world_size, timeout=60) as cluster:
+            yield cluster
+
+    return fixture
 
 
-@pytest.fixture(scope="module")
-def cluster4():
-    with dpc.Cluster(world_size=4, timeout=60) as cluster:
-        yield cluster
+cluster2, cluster3, cluster4, cluster5 = (_cluster_fixture(n) for n in (2, 3, 4, 5))

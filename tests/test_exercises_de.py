@@ -51,18 +51,6 @@ def item(report, start: str):
 
 
 @pytest.fixture(scope="module")
-def cluster3():
-    with dpc.Cluster(world_size=3, timeout=60) as cluster:
-        yield cluster
-
-
-@pytest.fixture(scope="module")
-def cluster5():
-    with dpc.Cluster(world_size=5, timeout=60) as cluster:
-        yield cluster
-
-
-@pytest.fixture(scope="module")
 def rings(cluster2, cluster3, cluster4, cluster5):
     return [cluster2, cluster3, cluster4, cluster5]
 

@@ -24,6 +24,7 @@ import torch
 import dpcourse as dpc
 from dpcourse import models
 from dpcourse.train import FullState, TrainConfig, checkpoint, train
+from conftest import kill_tree
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(300)
@@ -65,10 +66,8 @@ def _start(tmp_path: Path, steps: int, every: int, restarts: int, **env) -> subp
 
 
 def _kill_session(agent: subprocess.Popen) -> None:
-    """If the agent still runs, SIGKILL its session: the agent and its workers, all ours."""
-    if agent.poll() is None:
-        os.killpg(agent.pid, signal.SIGKILL)
-        agent.wait()
+    """If the agent still runs, SIGKILL it and every process it started (all ours)."""
+    kill_tree(agent)
 
 
 def _finish(agent: subprocess.Popen, timeout: float = 150) -> int:

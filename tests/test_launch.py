@@ -12,6 +12,7 @@ import torch
 
 from dpcourse import free_port
 from dpcourse.train import TrainConfig, train_single_process
+from conftest import kill_tree
 
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCH = ROOT / "launch"
@@ -133,9 +134,7 @@ def test_two_nodes_with_c10d_rendezvous_repeatedly(tmp_path):
             logs = [a.communicate(timeout=120)[0] for a in agents]
         finally:
             for a in agents:  # our own children, by their Popen handles
-                if a.poll() is None:
-                    os.killpg(a.pid, 9)
-                    a.wait()
+                kill_tree(a)
         assert [a.returncode for a in agents] == [0, 0], f"attempt {attempt}:\n" + "\n".join(logs)
         ranks = _losses(out)
         assert len(ranks) == 2

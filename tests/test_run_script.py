@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 import dpcourse as dpc
 from dpcourse.backends import GPU_BACKEND, BackendError, choose_backend
+from conftest import kill_tree
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -90,7 +91,7 @@ def test_the_same_script_under_torchrun_gives_the_same_weights(script, tmp_path)
     try:
         output, _ = proc.communicate(timeout=120)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers: our own session
+        kill_tree(proc)  # torchrun and its workers, all ours
         proc.communicate()
         raise
     assert proc.returncode == 0, output

@@ -6,7 +6,6 @@ import ast
 import os
 import re
 import runpy
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ import torch
 
 import dpcourse.scripts as scripts
 from dpcourse.models import MLP
+from conftest import kill_tree
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -33,7 +33,7 @@ def _run(args: list[str], timeout: float = 120) -> str:
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # our own child's session: torchrun and its ranks
+        kill_tree(proc)  # torchrun and its ranks, all ours
         proc.communicate()
         pytest.fail(f"{args} ran past {timeout} s and was killed")
     assert proc.returncode == 0, f"{args} exited with {proc.returncode}:\n{err[-3000:]}"
