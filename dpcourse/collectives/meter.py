@@ -19,21 +19,15 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..pool.tracker import C10D_OPS
 from .cost import bus_factor
 
-# op name -> (collective, where S is: (argument index, "in"/"out" for the docs))
-_OPS = {
-    "allreduce_": ("all_reduce", 0), "allreduce_coalesced_": ("all_reduce", 0),
-    "broadcast_": ("broadcast", 0), "reduce_": ("reduce", 0),
-    "_allgather_base_": ("all_gather", 0), "allgather_": ("all_gather", 0),
-    "allgather_coalesced_": ("all_gather", 0), "allgather_into_tensor_coalesced_": ("all_gather", 0),
-    "_reduce_scatter_base_": ("reduce_scatter", 1), "reduce_scatter_": ("reduce_scatter", 1),
-    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
-    "alltoall_base_": ("all_to_all", 1), "alltoall_": ("all_to_all", 1),
-    "gather_": ("gather", 1), "scatter_": ("scatter", 0),
-    "send": ("send", 0), "recv_": ("recv", 0), "recv_any_source_": ("recv", 0),
-    "barrier": ("barrier", None), "monitored_barrier_": ("barrier", None),
-}
+# Where S (nccl-tests' size) is among a c10d op's arguments: 0, the input; 1, the output
+# (all_gather's input is one rank's share, reduce_scatter's output is); None, no payload.
+# The op -> collective names are the pool's table, the one the hang diagnosis uses.
+_PAYLOAD_ARG = {"_reduce_scatter_base_": 1, "reduce_scatter_": 1, "reduce_scatter_tensor_coalesced_": 1,
+                "alltoall_base_": 1, "alltoall_": 1, "gather_": 1, "barrier": None,
+                "monitored_barrier_": None}
 
 
 def _nbytes(arg) -> int:
@@ -68,7 +62,8 @@ class C10dMeter(TorchDispatchMode):
         kwargs = kwargs or {}
         if func.namespace == "c10d":
             name = func._schema.name.split("::")[-1]
-            collective, where = _OPS.get(name, (name, None))
+            collective = C10D_OPS.get(name, name)
+            where = _PAYLOAD_ARG.get(name, 0) if name in C10D_OPS else None
             nbytes = _nbytes(args[where]) if where is not None and len(args) > where else 0
             group = next((g for g in map(_process_group, args) if g is not None), None)
             n = group.size() if group is not None else dist.get_world_size()

@@ -26,7 +26,7 @@ import time
 import warnings
 
 # c10d operator -> the collective's name in torch.distributed (one table for the package:
-# the byte meter uses it too).
+# the byte meter, dpcourse.collectives.meter, reads it too).
 C10D_OPS = {
     "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce",
     "broadcast_": "broadcast", "reduce_": "reduce",
