@@ -78,7 +78,8 @@ class _DataParallel(nn.Module):
             if wrapper is not None:
                 wrapper._on_grad_accumulated(param)
 
-        self._hooks = [p.register_post_accumulate_grad_hook(hook) for _, p in self._trainable]
+        for _, p in self._trainable:
+            p.register_post_accumulate_grad_hook(hook)
 
     def forward(self, *args, **kwargs):
         if self.broadcast_buffers and self.world_size > 1:
