@@ -107,9 +107,7 @@ def train_from_rank_seeds(cfg: TrainConfig, broadcast: bool) -> dict:
     else:
         model = parallel.apply_fsdp(model, device, cfg, models.wrap_classes(cfg.model))
     optimizer = runner.make_optimizer(cfg, model.parameters())
-    dataset = models.make_dataset(cfg.model, cfg.num_samples, seed=cfg.seed + 1, **cfg.model_sizes)
-    sampler = DistributedSampler(dataset, shuffle=True, seed=cfg.seed, drop_last=True)
-    loader = DataLoader(dataset, batch_size=cfg.batch_size, sampler=sampler, drop_last=True)
+    sampler, loader = runner.make_loader(cfg, dist.get_rank(), dist.get_world_size())
     losses = []
     for _, (x, y) in runner.batches(loader, sampler, 0, cfg.steps):
         loss = models.loss_fn(cfg.model, model(x), y)

@@ -80,7 +80,7 @@ def test_b_untouched_starter_is_not_attempted():
     report = dpc.exercises.check_b(None, table, answers)  # judged without looking at any run
     assert time.monotonic() - start < 1
     assert not report.attempted and not report.passed and "not attempted yet" in str(report)
-    assert set(table) == set(exercise_b.STRATEGIES) and set(answers) == set(exercise_b.QUESTIONS)
+    assert set(table) == set(exercise_b.RUNS) and set(answers) == set(exercise_b.QUESTIONS)
 
 
 def test_b_swapped_memory_figures_are_named(records_b):

@@ -90,7 +90,7 @@ def test_every_cli_option_says_its_meaning_choices_and_default():
             assert all(choice in action.help for choice in action.choices), action.dest
     proc = _run([sys.executable, "-m", "dpcourse.train", "--help"])
     assert proc.returncode == 0, proc.stderr
-    assert "--strategy {ddp,fsdp,fsdp2}" in proc.stdout and "default ddp" in proc.stdout
+    assert "--strategy {ddp,fsdp,fully_shard}" in proc.stdout and "default ddp" in proc.stdout
     assert "%(" not in proc.stdout  # every placeholder was filled
 
 

@@ -145,5 +145,5 @@ def test_fsdp1_and_fsdp2_reduce_in_the_same_dtype(cluster4):
     """The ledger's "mixed" FSDP row counts 2-byte unsharded gradients: both wrappers must
     reduce in the compute dtype, as their policies now say on every rank."""
     fsdp1 = cluster4.run(_reduce_dtype, "fsdp", timeout=60)
-    fsdp2 = cluster4.run(_reduce_dtype, "fsdp2", timeout=60)
+    fsdp2 = cluster4.run(_reduce_dtype, "fully_shard", timeout=60)
     assert fsdp1 == fsdp2 == ["torch.bfloat16"] * 4

@@ -65,9 +65,9 @@ def test_wrappers_equal_single_process_training(request, world, kind, options):
 def test_at_two_ranks_every_wrapper_is_bitwise_torch_ddp(cluster2):
     """(g0 + g1) / 2 is one rounding whatever the bucketing: all four agree to the bit."""
     cfg = _cfg("mlp", "sgd")
-    results = {k: cluster2.run(train_steps, cfg, k)[0]["params"] for k in SCRATCH + ["torch_ddp"]}
+    results = {k: cluster2.run(train_steps, cfg, k)[0]["params"] for k in SCRATCH + ["ddp"]}
     for kind in SCRATCH:
-        torch.testing.assert_close(results[kind], results["torch_ddp"], rtol=0, atol=0)
+        torch.testing.assert_close(results[kind], results["ddp"], rtol=0, atol=0)
 
 
 class HookTakesGradDDP(OverlapDDP):
@@ -116,7 +116,7 @@ def test_sharded_optimizer_is_the_unsharded_optimizer(request, world):
         for a, b in zip(plain, sharded):  # element-wise optimizers: bitwise equal
             torch.testing.assert_close(a["params"], b["params"], rtol=0, atol=0)
         _assert_matches(sharded, reference_steps(cfg, world), _tolerance(cfg))
-        pytorch = cluster.run(train_steps, cfg, "torch_ddp", sharded_optimizer="torch")
+        pytorch = cluster.run(train_steps, cfg, "ddp", sharded_optimizer="torch")
         _assert_matches(pytorch, reference_steps(cfg, world), _tolerance(cfg))
 
 
@@ -214,7 +214,7 @@ def test_timelines_show_when_each_wrapper_communicates(cluster2):
     cfg = _cfg("mlp", "sgd")
     by_kind = {}
     small = {"bucket_cap_mb": 0.004}
-    for kind, options in (("naive", {}), ("bucketed", small), ("torch_ddp", small)):
+    for kind, options in (("naive", {}), ("bucketed", small), ("ddp", small)):
         result = cluster2.run(train_steps, cfg, kind, record=True, **options)[0]
         by_kind[kind] = [Event(**e) for e in result["timeline"]]
         if kind == "bucketed":
@@ -229,17 +229,18 @@ def test_timelines_show_when_each_wrapper_communicates(cluster2):
         else:  # the first bucket leaves while backward is still computing
             assert launches[0] < backward_end and len(launches) >= 2
     assert len([e for e in by_kind["bucketed"] if e.lane == "comm"]) == \
-        len([e for e in by_kind["torch_ddp"] if e.lane == "comm"])
+        len([e for e in by_kind["ddp"] if e.lane == "comm"])
 
 
 def test_bucket_sweep_counts_the_buckets_it_planned(cluster2):
-    from dpcourse.scratch.sweep import bucket_bytes, bucket_sweep, fit_alpha_beta, time_all_reduce
+    from dpcourse.collectives.alpha_beta import fit_alpha_beta, time_all_reduce
+    from dpcourse.scratch.sweep import bucket_bytes, bucket_sweep
 
     cfg = _cfg("mlp", "sgd", steps=4)
     caps = [0.001, 0.01, 25]
     rows = cluster2.run(bucket_sweep, cfg, caps, record_steps=2)[0]
     numels = [p.numel() for p in dpc.models.build_model("mlp", **cfg.model_sizes).parameters()]
-    for kind in ("bucketed", "torch_ddp"):
+    for kind in ("bucketed", "ddp"):
         mine = [r for r in rows if r["kind"] == kind]
         assert [r["num_buckets"] for r in mine] == [len(bucket_bytes(numels, c)) for c in caps]
         assert all(0 <= r["exposed_s"] <= r["comm_s"] and r["step_s"] > 0 for r in mine)

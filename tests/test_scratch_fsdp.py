@@ -48,7 +48,7 @@ def test_minifsdp_equals_single_process_training(request, world, options):
     cfg = _cfg(optimizer=options.pop("optimizer", "sgd"))
     if "wrap" in options:
         options["wrap"] = lambda m: False  # matches nothing: the whole model is one unit
-    results = cluster.run(train_steps, cfg, "fsdp", seed_per_rank=True, **options)
+    results = cluster.run(train_steps, cfg, "mini_fsdp", seed_per_rank=True, **options)
     reference = reference_steps(cfg, world, options.get("accumulation", 1))
     _assert_matches(results, reference, 1e-5 if cfg.optimizer == "sgd" else 2e-4)
     units = results[0]["units"]
@@ -59,19 +59,19 @@ def test_minifsdp_equals_single_process_training(request, world, options):
 
 def test_minifsdp_with_a_frozen_unit_and_tied_weights(cluster2):
     cfg = _cfg("tied_transformer")
-    results = cluster2.run(train_steps, cfg, "fsdp", wrap=_frozen_or_block, seed_per_rank=True)
+    results = cluster2.run(train_steps, cfg, "mini_fsdp", wrap=_frozen_or_block, seed_per_rank=True)
     _assert_matches(results, reference_steps(cfg, 2), 1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_minifsdp_in_half_precision_stays_close(cluster2, dtype):
     cfg = _cfg()
-    results = cluster2.run(train_steps, cfg, "fsdp", compute_dtype=dtype)
+    results = cluster2.run(train_steps, cfg, "mini_fsdp", compute_dtype=dtype)
     # 3 SGD steps computed in 8- or 11-bit mantissas: loose, but far below the weights' scale
     _assert_matches(results, reference_steps(cfg, 2), 2e-2)
     assert all(p.dtype == torch.float32 for p in results[0]["params"].values())  # fp32 masters
-    steps = cluster2.run(compare.step_collectives, cfg, ("fsdp",), compute_dtype=dtype)[0]["fsdp"]
-    full = cluster2.run(compare.step_collectives, cfg, ("fsdp",))[0]["fsdp"]
+    steps = cluster2.run(compare.step_collectives, cfg, ("mini_fsdp",), compute_dtype=dtype)[0]["mini_fsdp"]
+    full = cluster2.run(compare.step_collectives, cfg, ("mini_fsdp",))[0]["mini_fsdp"]
     assert [(c, n // 2) for c, n in full] == steps  # gathered and reduced in 2-byte elements
 
 
@@ -93,8 +93,8 @@ def test_minifsdp_sends_the_collectives_of_pytorch_fsdp(request, world):
     cluster = request.getfixturevalue(f"cluster{world}")
     for model in ("mlp", "transformer"):
         steps = cluster.run(compare.step_collectives, _cfg(model))[0]
-        assert Counter(steps["fsdp"]) == Counter(steps["torch_fsdp"])
-        kinds = Counter(c for c, _ in steps["fsdp"])
+        assert Counter(steps["mini_fsdp"]) == Counter(steps["fsdp"])
+        kinds = Counter(c for c, _ in steps["mini_fsdp"])
         units = 4 if model == "mlp" else 3  # blocks + root
         assert kinds == {"all_gather": 2 * units - 1, "reduce_scatter": units}  # root gathered once
 
@@ -115,7 +115,7 @@ def test_our_ring_reduce_scatter_sends_less_than_gloos(cluster4):
 
 def test_the_timeline_shows_the_fsdp_rhythm(cluster2):
     """Recorded from outside (``MiniFSDPObserver`` on MiniFSDP's public steps and hooks)."""
-    result = cluster2.run(train_steps, _cfg(), "fsdp", record=True)[0]
+    result = cluster2.run(train_steps, _cfg(), "mini_fsdp", record=True)[0]
     events = sorted((Event(**e) for e in result["timeline"]), key=lambda e: (e.start, e.end))
     for unit in ("blocks.0", "blocks.1", "blocks.2"):
         mine = sorted((e for e in events if e.name == unit), key=lambda e: e.start)
@@ -131,7 +131,7 @@ def test_the_timeline_shows_the_fsdp_rhythm(cluster2):
         assert rs.start >= compute[1].end
         waits = [e for e in events if e.kind == "wait" and e.name.endswith(" " + unit)]
         assert {e.name.split()[0] for e in waits} == {"all_gather", "reduce_scatter"}
-    observed = cluster2.run(train_steps, _cfg(), "torch_fsdp", record=True)[0]["timeline"]
+    observed = cluster2.run(train_steps, _cfg(), "fsdp", record=True)[0]["timeline"]
     assert {e["name"] for e in observed if e["lane"] == "comm"} == {"root", "blocks.0", "blocks.1", "blocks.2"}
 
 

@@ -21,7 +21,7 @@ def test_scratch_wrappers_on_gpus_equal_single_process_training():
     reference = reference_steps(cfg, world_size)
     with dpc.Cluster(world_size=world_size, backend="nccl") as cluster:
         for kind, options in (("bucketed", {"bucket_cap_mb": 0.01}), ("overlap", {}),
-                              ("fsdp", {}), ("bucketed", {"sharded_optimizer": True})):
+                              ("mini_fsdp", {}), ("bucketed", {"sharded_optimizer": True})):
             for r in cluster.run(train_steps, cfg, kind, seed_per_rank=True, record=True, **options):
                 for name, want in reference["params"].items():
                     torch.testing.assert_close(r["params"][name], want, rtol=1e-4, atol=1e-5, msg=name)

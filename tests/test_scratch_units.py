@@ -8,8 +8,9 @@ import torch.distributed as dist
 import dpcourse as dpc
 from dpcourse.collectives.cost import ring_all_reduce_seconds
 from dpcourse.scratch import ThreadedDataParallel, assign_buckets
-from dpcourse.scratch.sweep import bucket_bytes, fit_alpha_beta, predict_comm_seconds
-from dpcourse.scratch.threaded_dp import CATEGORIES
+from dpcourse.collectives.alpha_beta import fit_alpha_beta
+from dpcourse.scratch.sweep import bucket_bytes, predict_comm_seconds
+from dpcourse.scratch.threaded_dp import DP_DEVICE_BYTES
 from dpcourse.scratch.timeline import (Event, Timeline, exposed_seconds, from_lists, hidden_fraction,
                                        intersection, total, union)
 from dpcourse.viz.timeline import stack_rows
@@ -127,7 +128,7 @@ def test_threaded_data_parallel_memory_per_device_follows_from_the_shapes():
     # first (the device's input chunk), i.e. 2 tensors of b x h per block
     activations = 4 * b * 2 * depth * h
     for d, mem in enumerate(dp.memory):
-        assert set(mem) == set(CATEGORIES)
+        assert set(mem) == set(DP_DEVICE_BYTES)
         assert mem["parameters"] == params and mem["gradients"] == params
         assert mem["inputs"] == 4 * b * d_in and mem["outputs"] == 4 * b * d_out
         assert mem["activations"] == activations
@@ -157,7 +158,7 @@ def test_drawings_show_every_event_and_sweep_row():
     ax = vt.draw_timeline(events)
     assert len(ax.patches) == len(events)
     rows = [{"kind": k, "bucket_cap_mb": c, "num_buckets": 1, "step_s": 0.01, "exposed_s": 0.002}
-            for k in ("bucketed", "torch_ddp") for c in (0.01, 1.0)]
+            for k in ("bucketed", "ddp") for c in (0.01, 1.0)]
     ax = vt.draw_bucket_sweep(rows, predicted={0.01: 0.003, 1.0: 0.002})
     assert len(ax.lines) == 5
     plt.close("all")

@@ -19,9 +19,12 @@ STRATEGIES = [
     dict(strategy="fsdp", sharding_strategy="FULL_SHARD"),
     dict(strategy="fsdp", sharding_strategy="SHARD_GRAD_OP", auto_wrap="size"),
     dict(strategy="fsdp", sharding_strategy="NO_SHARD"),
-    dict(strategy="fsdp2", reshard_after_forward=True),
-    dict(strategy="fsdp2", reshard_after_forward=False, auto_wrap="none"),
+    dict(strategy="fully_shard", reshard_after_forward=True),
+    dict(strategy="fully_shard", reshard_after_forward=False, auto_wrap="none"),
     dict(strategy="fsdp", model="transformer"),
+    # a tied weight and a frozen one; every optimizer of the vocabulary once
+    dict(strategy="fsdp", model="tied_transformer", optimizer="sgd_momentum"),
+    dict(strategy="fully_shard", model="tied_transformer", optimizer="adam"),
 ]
 
 
@@ -41,7 +44,7 @@ def test_world_size_2_equals_single_process(cluster2, options):
 
 
 @pytest.mark.parametrize("options", STRATEGIES[:1] + STRATEGIES[2:3] + STRATEGIES[5:6] + [
-    dict(strategy="fsdp", sharding_strategy="HYBRID_SHARD", hybrid_shard_size=2)],
+    dict(strategy="fsdp", sharding_strategy="HYBRID_SHARD", shard_group_size=2)],
     ids=lambda o: "-".join(map(str, o.values())))
 def test_world_size_4_equals_single_process(cluster4, options):
     metrics = _same_losses(cluster4, 4, **options)
@@ -75,7 +78,7 @@ def test_dcp_save_at_4_resume_at_2_equals_an_uninterrupted_run(cluster4, cluster
 def test_periodic_checkpoints_keep_the_newest_and_resume_exactly(cluster2, tmp_path):
     """Every 3 steps, 2 kept; a resume at step 7 (not an epoch start) continues the sampler
     where it stood, across the epoch boundary at step 8, equal to one uninterrupted run."""
-    common = dict(strategy="fsdp2", num_samples=64, batch_size=4, progress=False)  # 8 steps per epoch
+    common = dict(strategy="fully_shard", num_samples=64, batch_size=4, progress=False)  # 8 steps per epoch
     whole = cluster2.run(train, TrainConfig(steps=12, **common))[0]["losses"]
     root = str(tmp_path / "ckpt")
     saving = dict(checkpoint_dir=root, checkpoint_every=3, keep_checkpoints=2, resume="auto")
@@ -110,11 +113,11 @@ def test_checkpoint_progress_and_folder_rules(tmp_path):
 
 
 @pytest.mark.parametrize("options, message", [
-    (dict(strategy="zero"), "unknown strategy 'zero'; choose one of ddp, fsdp, fsdp2"),
+    (dict(strategy="zero"), "unknown strategy 'zero'; choose one of ddp, fsdp, fully_shard"),
     (dict(strategy="fsdp", sharding_strategy="FULL"), "unknown sharding_strategy"),
-    (dict(strategy="fsdp", sharding_strategy="HYBRID_SHARD", hybrid_shard_size=3), "dividing world_size=4"),
+    (dict(strategy="fsdp", sharding_strategy="HYBRID_SHARD", shard_group_size=3), "dividing world_size=4"),
     (dict(strategy="fsdp", sharding_strategy="HYBRID_SHARD"), "dividing world_size=4"),
-    (dict(strategy="fsdp", sharding_strategy="HYBRID_SHARD", hybrid_shard_size=4), "silently be\nFULL_SHARD|silently be FULL_SHARD"),
+    (dict(strategy="fsdp", sharding_strategy="HYBRID_SHARD", shard_group_size=4), "silently be\nFULL_SHARD|silently be FULL_SHARD"),
     (dict(mixed_precision="fp8"), "unknown mixed_precision"),
     (dict(batch_size=200, num_samples=512), "fewer than batch_size=200"),
     (dict(resume=True), "resume=True needs checkpoint_dir"),
@@ -137,8 +140,8 @@ def test_a_bad_option_on_the_ranks_raises_before_training(cluster2):
 @pytest.mark.parametrize("options", [
     dict(strategy="ddp"), dict(strategy="fsdp"), dict(strategy="fsdp", sharding_strategy="SHARD_GRAD_OP"),
     dict(strategy="fsdp", sharding_strategy="NO_SHARD"), dict(strategy="fsdp", auto_wrap="size"),
-    dict(strategy="fsdp2"), dict(strategy="fsdp2", reshard_after_forward=False),
-    dict(strategy="fsdp", sharding_strategy="HYBRID_SHARD", hybrid_shard_size=2),
+    dict(strategy="fully_shard"), dict(strategy="fully_shard", reshard_after_forward=False),
+    dict(strategy="fsdp", sharding_strategy="HYBRID_SHARD", shard_group_size=2),
 ], ids=lambda o: "-".join(map(str, o.values())))
 def test_bytes_per_step_measured_from_pytorch_equal_the_theory(cluster4, options):
     """The logical bytes of the c10d ops DDP/FSDP really call, unit by unit, equal volume.step_bytes."""
@@ -159,8 +162,8 @@ def test_step_volume_formulas():
     # The root unit is gathered once: its bytes count 2x, a block's 3x.
     assert sum(volume.step_bytes("fsdp", 2, [], root_bytes=psi).values()) == pytest.approx(2 * psi / 2)
     assert volume.step_bytes("fsdp", 4, [psi], sharding_strategy="SHARD_GRAD_OP") == \
-        volume.step_bytes("fsdp2", 4, [psi], reshard_after_forward=False)
-    hybrid = volume.step_bytes("fsdp", 4, [psi], sharding_strategy="HYBRID_SHARD", hybrid_shard_size=2)
+        volume.step_bytes("fully_shard", 4, [psi], reshard_after_forward=False)
+    hybrid = volume.step_bytes("fsdp", 4, [psi], sharding_strategy="HYBRID_SHARD", shard_group_size=2)
     assert hybrid == pytest.approx({"all_gather": 2 * psi / 2, "reduce_scatter": psi / 2,
                                     "all_reduce": 2 * (1 / 2) * psi / 2})
     assert volume.step_bytes("ddp", 1, [psi]) == {"all_reduce": 0.0}
@@ -172,8 +175,8 @@ def test_step_volume_formulas():
 @pytest.mark.parametrize("options", [
     dict(strategy="ddp"), dict(strategy="ddp", gradient_as_bucket_view=True),
     dict(strategy="fsdp"), dict(strategy="fsdp", sharding_strategy="SHARD_GRAD_OP"),
-    dict(strategy="fsdp", sharding_strategy="HYBRID_SHARD", hybrid_shard_size=2),
-    dict(strategy="fsdp2"), dict(strategy="fsdp2", reshard_after_forward=False),
+    dict(strategy="fsdp", sharding_strategy="HYBRID_SHARD", shard_group_size=2),
+    dict(strategy="fully_shard"), dict(strategy="fully_shard", reshard_after_forward=False),
 ], ids=lambda o: "-".join(map(str, o.values())))
 def test_runner_memory_at_rest_equals_the_ledger_on_every_rank(cluster4, options):
     metrics = cluster4.run(train, TrainConfig(steps=3, batch_size=4, progress=False, **options),

@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 
 from ..pool import Cluster, RankError
 from ..pool.procs import free_port
-from ..scratch.sweep import time_all_reduce
+from ..collectives.alpha_beta import time_all_reduce
 
 
 def _median_ms(samples) -> float:

@@ -33,11 +33,11 @@ VARIANTS = {  # name -> (kind, options of train_steps)
     "NaiveDDP": ("naive", {}),
     "OverlapDDP": ("overlap", {}),
     "BucketedDDP": ("bucketed", {"first_bucket_cap_mb": 1}),  # torch DDP's default buckets
-    "torch DDP": ("torch_ddp", {}),
+    "torch DDP": ("ddp", {}),
     "BucketedDDP + ShardedOptimizer": ("bucketed", {"first_bucket_cap_mb": 1, "sharded_optimizer": True}),
-    "torch DDP + ZeroRedundancyOptimizer": ("torch_ddp", {"sharded_optimizer": "torch"}),
-    "MiniFSDP": ("fsdp", {"shard_root": True}),
-    "torch FSDP1 FULL_SHARD": ("torch_fsdp", {}),
+    "torch DDP + ZeroRedundancyOptimizer": ("ddp", {"sharded_optimizer": "torch"}),
+    "MiniFSDP": ("mini_fsdp", {"shard_root": True}),
+    "torch FSDP1 FULL_SHARD": ("fsdp", {}),
 }
 PAIRS = [  # (ours, PyTorch's, target throughput ratio or None)
     ("NaiveDDP", "torch DDP", None),

@@ -19,14 +19,14 @@ from ..train import CommMeter, StepTimer, TrainConfig, train
 
 HELP = "DDP vs FSDP strategies and FSDP2: CPU time per step, peak memory, bytes per step"
 
-STRATEGIES = {
+ROWS = {
     "DDP": dict(strategy="ddp"),
     "FSDP1 NO_SHARD": dict(strategy="fsdp", sharding_strategy="NO_SHARD"),
     "FSDP1 SHARD_GRAD_OP": dict(strategy="fsdp", sharding_strategy="SHARD_GRAD_OP"),
     "FSDP1 FULL_SHARD": dict(strategy="fsdp", sharding_strategy="FULL_SHARD"),
-    "FSDP1 HYBRID_SHARD": dict(strategy="fsdp", sharding_strategy="HYBRID_SHARD", hybrid_shard_size=2),
-    "FSDP2 reshard": dict(strategy="fsdp2", reshard_after_forward=True),
-    "FSDP2 no reshard": dict(strategy="fsdp2", reshard_after_forward=False),
+    "FSDP1 HYBRID_SHARD": dict(strategy="fsdp", sharding_strategy="HYBRID_SHARD", shard_group_size=2),
+    "FSDP2 reshard": dict(strategy="fully_shard", reshard_after_forward=True),
+    "FSDP2 no reshard": dict(strategy="fully_shard", reshard_after_forward=False),
 }
 
 
@@ -45,14 +45,14 @@ def main(args) -> int:
     sizes = {"d_hidden": args.d_hidden, "depth": 4}
     print(__doc__.split("\n\n")[0].strip())
     for world in args.world_sizes:
-        names = [n for n, o in STRATEGIES.items() if world >= 4 or o["strategy"] != "fsdp"
+        names = [n for n, o in ROWS.items() if world >= 4 or o["strategy"] != "fsdp"
                  or o.get("sharding_strategy") != "HYBRID_SHARD"]
         cpu, wall, comm, peak = {n: [] for n in names}, {n: [] for n in names}, {}, {}
         with Cluster(world_size=world) as cluster:
             for _ in range(args.rounds):
                 for name in names:
                     cfg = TrainConfig(steps=args.steps, batch_size=16, progress=False, model_sizes=sizes,
-                                      **STRATEGIES[name])
+                                      **ROWS[name])
                     hooks = [StepTimer(), CommMeter(), MemoryProbe()]  # the last step is measured, not timed
                     metrics = cluster.run(train, cfg, hooks, timeout=600)
                     cpu[name] += [max(m["step_cpu_s"][i] for m in metrics) for i in range(2, args.steps - 1)]

@@ -20,7 +20,7 @@ from ..train import CommMeter, StepTimer, TrainConfig, train
 from .ranks import clusters_for
 from .report import Report
 
-STRATEGIES = {"ddp": dict(strategy="ddp"),
+RUNS = {"ddp": dict(strategy="ddp"),
               "fsdp": dict(strategy="fsdp", sharding_strategy="FULL_SHARD")}
 LABELS = {"ddp": "DDP", "fsdp": "FSDP FULL_SHARD"}
 FIGURES = {"peak_mb": "peak memory (MB)", "samples_per_s": "throughput (samples/s)",
@@ -93,7 +93,7 @@ def run_b(world_size: int = 2, d_hidden: int = 128, batch_size: int = 16, cluste
     ``batch_size`` samples per rank per step. Takes a few seconds per run."""
     if not 2 <= world_size <= 4:
         raise ValueError(f"Exercise B runs on 2 to 4 ranks, not world_size={world_size}")
-    return run_configs(STRATEGIES, world_size, {"d_hidden": d_hidden, "depth": DEPTH},
+    return run_configs(RUNS, world_size, {"d_hidden": d_hidden, "depth": DEPTH},
                        batch_size, steps, cluster)
 
 
@@ -101,7 +101,7 @@ def figures(records: Runs) -> dict:
     """{strategy: {figure: value}} re-derived from rank 0's records: peak MB (10^6 bytes),
     samples/s, median CPU ms per step; plus the ledger's peak in MB as ``ledger_peak_mb``."""
     out = {}
-    for name in STRATEGIES:
+    for name in RUNS:
         rank0 = records[name][0]
         memory = rank0["memory"] or {}
         compare = memory.get("compare") or {}
@@ -131,7 +131,7 @@ def _judge_figure(report: Report, table: dict, derived: dict, name: str, key: st
         report.add(title, True, f"{value:g} (records: {want:.4g}{extra})")
         return
     detail = f"you wrote {value!r}; rank 0's records give {want:.4g} (within {tol:.0%})"
-    other = next(n for n in STRATEGIES if n != name)
+    other = next(n for n in RUNS if n != name)
     if _close(value, derived[other][key], tol):
         detail += f" -- that is {LABELS[other]}'s figure: are the two swapped?"
     elif isinstance(value, (int, float)) and value and want:
@@ -176,7 +176,7 @@ def check_b(records: Runs, table: dict, answers: dict) -> Report:
         return report
     derived = figures(records)
     for key in FIGURES:
-        for name in STRATEGIES:
+        for name in RUNS:
             _judge_figure(report, table, derived, name, key)
     judge_letters(report, QUESTIONS, answers)
     return report
@@ -188,7 +188,7 @@ def plot(records: Runs):
     import matplotlib.pyplot as plt
 
     derived = figures(records)
-    names = list(STRATEGIES)
+    names = list(RUNS)
     fig, axes = plt.subplots(1, 3, figsize=(11, 3.2))
     for ax, key in zip(axes, FIGURES):
         ax.bar([LABELS[n] for n in names], [derived[n][key] for n in names], color=["#4c72b0", "#dd8452"])

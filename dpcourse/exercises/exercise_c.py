@@ -25,8 +25,8 @@ from .report import Report
 SHARDING = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")  # FSDP1, one unit per block
 CONFIGS = {
     **{s: dict(strategy="fsdp", sharding_strategy=s) for s in SHARDING},
-    "fully_shard": dict(strategy="fsdp2", reshard_after_forward=True),
-    "fully_shard (no reshard)": dict(strategy="fsdp2", reshard_after_forward=False),
+    "fully_shard": dict(strategy="fully_shard", reshard_after_forward=True),
+    "fully_shard (no reshard)": dict(strategy="fully_shard", reshard_after_forward=False),
     "FULL_SHARD, auto_wrap=none": dict(strategy="fsdp", auto_wrap="none"),
     "FULL_SHARD, auto_wrap=size": dict(strategy="fsdp", auto_wrap="size"),
 }
@@ -60,7 +60,7 @@ def run_c(world_size: int = 4, d_hidden: int = 64, batch_size: int = 8, cluster=
         raise ValueError(f"Exercise C needs an even world_size >= 4 (HYBRID_SHARD: 2 ranks per "
                          f"shard group, >= 2 groups), not {world_size}")
     configs = {k: dict(v) for k, v in CONFIGS.items()}
-    configs["HYBRID_SHARD"]["hybrid_shard_size"] = 2
+    configs["HYBRID_SHARD"]["shard_group_size"] = 2
     return run_configs(configs, world_size, {"d_hidden": d_hidden, "depth": 4}, batch_size, steps, cluster)
 
 

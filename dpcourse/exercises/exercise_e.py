@@ -77,14 +77,14 @@ class AllReduceRecorder:
 
 def _train_on_rank(kind, steps: int = STEPS):
     """On this rank: ``steps`` SGD steps of the MLP wrapped by ``kind`` (the learner's class,
-    or "torch_ddp"). Returns gradients after each backward, all-reduce launches, the last
+    or "ddp"). Returns gradients after each backward, all-reduce launches, the last
     step's timeline, and the buckets' parameter names."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model = models.build_model(MODEL, seed=0, **SIZES)
     timeline, recorder = Timeline(rank), None
-    if kind == "torch_ddp":
+    if kind == "ddp":
         wrapped = DDP(model, bucket_cap_mb=BUCKET_CAP_MB)
         observe_ddp_communication(wrapped, timeline)
         buckets = None
@@ -138,7 +138,7 @@ def check_e(cls, cluster=None, timeout: float = 60.0) -> DDPReport:
             for key in ("grads", "buckets", "overlap"):
                 report.add(ITEMS[key], None, "judged once it trains")
             return report
-        theirs = clusters[world].run(_train_on_rank, "torch_ddp", timeout=timeout)
+        theirs = clusters[world].run(_train_on_rank, "ddp", timeout=timeout)
     report.add(ITEMS["runs"], True, f"{world} ranks, {STEPS} SGD steps of the course's MLP")
     report.add(ITEMS["grads"], *_judge_grads(mine, theirs, world))
     report.add(ITEMS["buckets"], *_judge_buckets(mine[0]))

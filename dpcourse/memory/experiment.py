@@ -13,24 +13,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .. import models
+from .. import models, vocab
 from .layout import unit_shapes
 from .measure import capture_buckets, held_bytes
 from .record import StepRecorder
 
 MEASURED = ("ddp", "NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD", "fully_shard")
 FSDP1 = ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD")
-
-
-def make_optimizer(name: str, params, lr: float = 1e-3):
-    """torch.optim optimizer by the ledger's name: sgd, sgd_momentum, adam, adamw."""
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr)
-    if name == "sgd_momentum":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9)
-    if name in ("adam", "adamw"):
-        return (torch.optim.Adam if name == "adam" else torch.optim.AdamW)(params, lr=lr)
-    raise ValueError(f"unknown optimizer {name!r}; choose one of sgd, sgd_momentum, adam, adamw")
 
 
 def wrap(model, strategy: str, device: torch.device, unit_classes, *, gradient_as_bucket_view=False,
@@ -48,12 +37,12 @@ def wrap(model, strategy: str, device: torch.device, unit_classes, *, gradient_a
         cfg = TrainConfig(strategy="ddp", gradient_as_bucket_view=gradient_as_bucket_view)
         return parallel.apply_ddp(model, device, cfg)
     if strategy in FSDP1:
-        cfg = TrainConfig(strategy="fsdp", sharding_strategy=strategy, hybrid_shard_size=shard_group_size)
+        cfg = TrainConfig(strategy="fsdp", sharding_strategy=strategy, shard_group_size=shard_group_size)
         if strategy == "HYBRID_SHARD":
             cfg.hybrid_mesh_shape(dist.get_world_size())  # a clear error before any collective
         return parallel.apply_fsdp(model, device, cfg, set(unit_classes))
     if strategy == "fully_shard":
-        cfg = TrainConfig(strategy="fsdp2", reshard_after_forward=reshard_after_forward)
+        cfg = TrainConfig(strategy="fully_shard", reshard_after_forward=reshard_after_forward)
         return parallel.apply_fsdp2(model, device, cfg, set(unit_classes))
     raise ValueError(f"cannot measure strategy {strategy!r}; choose one of {', '.join(MEASURED)}")
 
@@ -94,7 +83,7 @@ def measure_strategy(strategy: str, model: str = "mlp", sizes: dict | None = Non
     broadcast_module(net)  # identical weights everywhere (FSDP on CPU cannot sync them itself)
     wrapped = wrap(net, strategy, device, classes, **options)
     buckets = capture_buckets(wrapped) if strategy == "ddp" else {}
-    opt = make_optimizer(optimizer, wrapped.parameters())
+    opt = vocab.make_optimizer(optimizer, wrapped.parameters(), lr=1e-3)
     data = models.make_dataset(model, batch_size * world, seed=seed + 1, **sizes)
     x, y = (t[rank * batch_size:(rank + 1) * batch_size].to(device).clone() for t in data.tensors)
 

@@ -28,19 +28,19 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from .. import vocab
 from . import layout, transients
 
-STRATEGIES = ("dp", "ddp", "zero1", "zero2", "zero3",
-              "NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD", "fully_shard")
-PRECISIONS = ("fp32", "mixed", "autocast")
+STRATEGIES = vocab.LEDGER_STRATEGIES
+PRECISIONS = vocab.PRECISIONS
 AUTOCAST_STRATEGIES = ("dp", "ddp")  # the ledger models torch.autocast for these only
-OPTIMIZERS = ("sgd", "sgd_momentum", "adam", "adamw")
+OPTIMIZERS = tuple(vocab.OPTIMIZERS)
 AT_REST = ("parameters", "gradients", "optimizer_state", "master_weights", "bucket_buffers")
 TRANSIENT = ("unsharded_parameters", "unsharded_gradients", "activations", "temporaries")
 CATEGORIES = AT_REST + TRANSIENT
 
 # fp32 optimizer state per parameter (bytes): SGD none, momentum one buffer, Adam two moments.
-OPTIMIZER_STATE_BYTES = {"sgd": 0, "sgd_momentum": 4, "adam": 8, "adamw": 8}
+OPTIMIZER_STATE_BYTES = {name: 4 * tensors for name, tensors in vocab.OPTIMIZERS.items()}
 # torch.optim.Adam(W) keeps ``step`` as a float32 scalar tensor per parameter tensor.
 STEP_COUNTER_BYTES = {"sgd": 0, "sgd_momentum": 0, "adam": 4, "adamw": 4}
 _SHARDED = {"dp": (), "ddp": (), "NO_SHARD": (),
@@ -93,11 +93,6 @@ class Ledger:
         return {c: self.bytes[c] for c in AT_REST}
 
 
-def _choice(name: str, value, allowed) -> None:
-    if value not in allowed:
-        raise LedgerError(f"unknown {name} {value!r}; choose one of {', '.join(map(repr, allowed))}")
-
-
 def _shard_group(strategy: str, world_size: int, shard_group_size) -> int:
     if strategy == "HYBRID_SHARD":
         if shard_group_size is None:
@@ -132,9 +127,9 @@ def ledger(num_params: int, world_size: int, strategy: str, precision: str = "fp
     ``num_params``). activation_bytes: per rank, e.g. from ``dpcourse.memory.activations``.
     foreach: the optimizer's multi-tensor path (default on CUDA) instead of the per-tensor one.
     """
-    _choice("strategy", strategy, STRATEGIES)
-    _choice("precision", precision, PRECISIONS)
-    _choice("optimizer", optimizer, OPTIMIZERS)
+    vocab.check_name("strategy", strategy, STRATEGIES, LedgerError)
+    vocab.check_name("precision", precision, PRECISIONS, LedgerError)
+    vocab.check_name("optimizer", optimizer, OPTIMIZERS, LedgerError)
     for name, value in (("num_params", num_params), ("world_size", world_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise LedgerError(f"{name} must be a whole number >= 1, not {value!r}")

@@ -26,13 +26,13 @@ TOOL_LABELS = {"All Gather": "unsharded_parameters", "Unsharded Param": "unshard
 
 
 def wrapper_kind(model: nn.Module) -> str:
-    """'fsdp1', 'fsdp2' or 'plain' (DDP, a bare module, or a from-scratch wrapper)."""
+    """'fsdp', 'fully_shard' or 'plain' (DDP, a bare module, or a from-scratch wrapper)."""
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
     if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
-        return "fsdp1"
+        return "fsdp"
     if any(isinstance(m, FSDPModule) for m in model.modules()):
-        return "fsdp2"
+        return "fully_shard"
     return "plain"
 
 
@@ -45,7 +45,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def role_tensors(model: nn.Module, optimizer, buckets=()):
     """(role, tensor) pairs for everything the model, its wrapper and the optimizer hold now."""
     kind = wrapper_kind(model)
-    if kind == "fsdp1":
+    if kind == "fsdp":
         for flat in fsdp1_flat_params(model):
             yield "parameters", flat._local_shard
             grad = flat.grad
@@ -55,7 +55,7 @@ def role_tensors(model: nn.Module, optimizer, buckets=()):
                 yield "gradients", flat._saved_grad_shard
             if getattr(flat, "_full_param_padded", None) is not None:
                 yield "unsharded_parameters", flat._full_param_padded
-    elif kind == "fsdp2":
+    elif kind == "fully_shard":
         for group in _fsdp2_groups(model):
             for fp in group.fsdp_params:
                 yield "parameters", _local(fp.sharded_param)

@@ -49,11 +49,11 @@ class MemoryProbe(StepHook):
         plain = models.build_model(cfg.model, seed=cfg.seed, **cfg.model_sizes)
         if cfg.strategy == "ddp":
             strategy, options = "ddp", {"gradient_as_bucket_view": cfg.gradient_as_bucket_view}
-        elif cfg.strategy == "fsdp2":
+        elif cfg.strategy == "fully_shard":
             strategy, options = "fully_shard", {"reshard_after_forward": cfg.reshard_after_forward}
         else:
             strategy = cfg.sharding_strategy
-            options = {"shard_group_size": cfg.hybrid_shard_size} if strategy == "HYBRID_SHARD" else {}
+            options = {"shard_group_size": cfg.shard_group_size} if strategy == "HYBRID_SHARD" else {}
         result = {"strategy": strategy, "options": options, "rank": dist.get_rank(),
                   "world_size": dist.get_world_size(), "model": cfg.model, "sizes": dict(cfg.model_sizes),
                   "batch_size": cfg.batch_size,

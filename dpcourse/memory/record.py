@@ -40,7 +40,7 @@ class StepRecorder:
         self.model, self.optimizer, self.units = model, optimizer, units
         self.buckets = buckets
         self.kind = wrapper_kind(model)
-        if self.kind == "fsdp2":
+        if self.kind == "fully_shard":
             from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
             self.tracker = _logging(FSDPMemTracker)(model, optimizer)
@@ -55,7 +55,7 @@ class StepRecorder:
         self._mods = ModTracker()
         self._mods.register_user_hooks(self._pre_fw, self._post_fw, self._pre_bw, self._post_bw)
         self._handles = []
-        if self.kind == "fsdp2":
+        if self.kind == "fully_shard":
             self.tracker.track_inputs(tuple(inputs))
         else:  # created before the step: MemTracker must be told about them
             self.tracker.track_external(model, optimizer, *inputs,
@@ -122,7 +122,7 @@ class StepRecorder:
         for role, tensor in role_tensors(self.model, self.optimizer):
             if role in ("parameters", "unsharded_parameters") and tensor.requires_grad and tensor.is_leaf:
                 self._handles.append(tensor.register_post_accumulate_grad_hook(self._label))
-        if self.kind == "fsdp1":
+        if self.kind == "fsdp":
             for flat in fsdp1_flat_params(self.model):
                 self._handles.append(flat.register_post_accumulate_grad_hook(self._label))
         self._mods.__enter__()

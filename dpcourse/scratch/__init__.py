@@ -18,7 +18,7 @@ compare (MiniFSDP next to FSDP1 and the memory ledger).
 """
 from . import compare, sweep, timeline
 from .bucketed import Bucket, BucketManager, assign_buckets
-from .ddp import BucketedDDP, NaiveDDP, OverlapDDP, broadcast_parameters_and_buffers
+from .ddp import BucketedDDP, NaiveDDP, OverlapDDP
 from .experiment import KINDS, parameters_around_backward, reference_steps, train_steps, wrap_model
 from .fsdp import MiniFSDP
 from .observe import (BackwardObserver, FSDP1Observer, MiniFSDPObserver, observe_comm_hook,
@@ -29,7 +29,7 @@ from .zero import ShardedOptimizer
 
 __all__ = ["Bucket", "BucketManager", "BucketedDDP", "BackwardObserver", "Event", "FSDP1Observer",
            "KINDS", "MiniFSDP", "MiniFSDPObserver", "NaiveDDP", "OverlapDDP", "ShardedOptimizer",
-           "ThreadedDataParallel", "Timeline", "assign_buckets", "broadcast_parameters_and_buffers",
+           "ThreadedDataParallel", "Timeline", "assign_buckets",
            "compare", "hidden_fraction", "measure_speedup", "observe_comm_hook",
            "observe_ddp_communication", "parameters_around_backward", "reference_steps", "sweep",
            "timeline", "train_steps", "wrap_model"]

@@ -34,7 +34,7 @@ def _setup(cfg, kind: str, **options):
     return model, wrapped, optimizer, x, y
 
 
-def step_collectives(cfg, kinds=("fsdp", "torch_fsdp"), **fsdp_options) -> dict:
+def step_collectives(cfg, kinds=("mini_fsdp", "fsdp"), **fsdp_options) -> dict:
     """{kind: [(collective, bytes S), ...]}: every c10d op of one step after a warm-up step.
 
     MiniFSDP shards its root as FSDP1 does (``shard_root=True``), so both have the same
@@ -42,7 +42,7 @@ def step_collectives(cfg, kinds=("fsdp", "torch_fsdp"), **fsdp_options) -> dict:
     """
     out = {}
     for kind in kinds:
-        options = {"shard_root": True, **fsdp_options} if kind == "fsdp" else {}
+        options = {"shard_root": True, **fsdp_options} if kind == "mini_fsdp" else {}
         _, wrapped, optimizer, x, y = _setup(cfg, kind, **options)
         _step(cfg, wrapped, optimizer, x, y)
         with C10dMeter() as meter:
@@ -57,7 +57,7 @@ def memory_at_rest(cfg, **options) -> dict:
     replicated parameters."""
     from ..memory.measure import held_bytes
 
-    model, wrapped, optimizer, x, y = _setup(cfg, "fsdp", **options)
+    model, wrapped, optimizer, x, y = _setup(cfg, "mini_fsdp", **options)
     _step(cfg, wrapped, optimizer, x, y)
     _step(cfg, wrapped, optimizer, x, y, zero_grad=False)
     units = [[tuple(s) for s in u.shapes] for u in wrapped.units if u.sharded]
@@ -94,7 +94,7 @@ def expected_at_rest(measured: dict, optimizer: str = "adamw", precision: str = 
 def bytes_sent_per_step(cfg, reduce_scatter: str = "backend") -> dict:
     """Bytes this rank sends in one MiniFSDP step (after a warm-up step): on the wire (Linux
     write counters) and logically (c10d ops), with the backend's or our ring's reduce-scatter."""
-    _, wrapped, optimizer, x, y = _setup(cfg, "fsdp", shard_root=True, reduce_scatter=reduce_scatter)
+    _, wrapped, optimizer, x, y = _setup(cfg, "mini_fsdp", shard_root=True, reduce_scatter=reduce_scatter)
     _step(cfg, wrapped, optimizer, x, y)
     sent = measure_bytes_sent(_step, cfg, wrapped, optimizer, x, y)
     rs = sum(r.nbytes for r in sent.records if r.collective == "reduce_scatter")

@@ -43,14 +43,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..train.parallel import broadcast_module
 from .bucketed import BucketManager
-
-
-def broadcast_parameters_and_buffers(module: nn.Module, src: int = 0, group=None) -> None:
-    """Copy rank ``src``'s parameters and buffers into every rank's module, in place."""
-    with torch.no_grad():
-        for t in list(module.parameters()) + list(module.buffers()):
-            dist.broadcast(t.data, src=src, group=group)
 
 
 class _DataParallel(nn.Module):
@@ -67,7 +61,7 @@ class _DataParallel(nn.Module):
         self.broadcast_buffers = broadcast_buffers
         self.require_backward_grad_sync = True
         self._callback_queued = False
-        broadcast_parameters_and_buffers(module, group=group)
+        broadcast_module(module, group=group)
         self._trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self._names = {p: n for n, p in self._trainable}
         # The hooks hold the wrapper weakly: a wrapper dropped in a notebook stops reducing.

@@ -17,12 +17,11 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, DistributedSampler
 
 from .. import models
 from ..train import parallel
 from ..backends import rank_device
-from ..train.runner import batches, make_optimizer
+from ..train.runner import batches, make_loader, make_optimizer
 from .ddp import BucketedDDP, NaiveDDP, OverlapDDP
 from .fsdp import MiniFSDP
 from .observe import (BackwardObserver, FSDP1Observer, MiniFSDPObserver, observe_comm_hook,
@@ -30,9 +29,9 @@ from .observe import (BackwardObserver, FSDP1Observer, MiniFSDPObserver, observe
 from .timeline import COMPUTE, Timeline
 from .zero import ShardedOptimizer
 
-SCRATCH = {"naive": NaiveDDP, "overlap": OverlapDDP, "bucketed": BucketedDDP, "fsdp": MiniFSDP}
-KINDS = tuple(SCRATCH) + ("torch_ddp", "torch_fsdp")
-DDP_LIKE = ("naive", "overlap", "bucketed", "torch_ddp")
+SCRATCH = {"naive": NaiveDDP, "overlap": OverlapDDP, "bucketed": BucketedDDP, "mini_fsdp": MiniFSDP}
+KINDS = tuple(SCRATCH) + ("ddp", "fsdp")
+DDP_LIKE = ("naive", "overlap", "bucketed", "ddp")
 
 
 def ring_reduce_scatter_hook(fsdp):
@@ -75,7 +74,7 @@ def wrap_model(kind: str, model, *, bucket_cap_mb: float | None = None,
                            first_bucket_cap_mb=first_bucket_cap_mb)
     if kind in ("naive", "overlap"):
         return SCRATCH[kind](model)
-    if kind == "fsdp":
+    if kind == "mini_fsdp":
         fsdp = MiniFSDP(model, wrap=wrap, compute_dtype=compute_dtype, shard_root=shard_root)
         if reduce_scatter == "ring":
             fsdp.comm_hook = ring_reduce_scatter_hook(fsdp)
@@ -83,7 +82,7 @@ def wrap_model(kind: str, model, *, bucket_cap_mb: float | None = None,
     from ..train import TrainConfig
 
     device = next(model.parameters()).device
-    if kind == "torch_ddp":
+    if kind == "ddp":
         if bucket_cap_mb is None:
             return parallel.apply_ddp(model, device, TrainConfig())
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -105,7 +104,7 @@ def observe(kind, wrapped, model, timeline):
     if isinstance(wrapped, MiniFSDP):
         MiniFSDPObserver(wrapped, timeline)
         return None, contextlib.nullcontext()
-    if kind == "torch_fsdp":
+    if kind == "fsdp":
         return None, FSDP1Observer(wrapped, timeline)
     if isinstance(wrapped, DDP):
         observe_ddp_communication(wrapped, timeline)
@@ -116,9 +115,9 @@ def observe(kind, wrapped, model, timeline):
 
 def full_parameters(kind, wrapped, names) -> dict:
     """{name: full tensor} for the unwrapped model's parameter ``names`` (a collective for FSDP)."""
-    if kind == "fsdp":
+    if kind == "mini_fsdp":
         return wrapped.gather_full_params()
-    if kind == "torch_fsdp":
+    if kind == "fsdp":
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         state = get_model_state_dict(wrapped, options=StateDictOptions(full_state_dict=True))
@@ -146,7 +145,7 @@ def train_steps(cfg, kind: str, *, accumulation: int = 1, seed_per_rank: bool = 
                                **cfg.model_sizes).to(device)
     names = [n for n, _ in model.named_parameters()]
     timeline = Timeline(rank) if record else None
-    if kind in ("fsdp", "torch_fsdp") and options.get("wrap") is None:
+    if kind in ("mini_fsdp", "fsdp") and options.get("wrap") is None:
         options["wrap"] = models.wrap_classes(cfg.model)
     wrapped = wrap_model(kind, model, **options)
     observer, around_step = observe(kind, wrapped, model, timeline) if record else (None, None)
@@ -163,10 +162,7 @@ def train_steps(cfg, kind: str, *, accumulation: int = 1, seed_per_rank: bool = 
     else:
         optimizer = make_optimizer(cfg, wrapped.parameters())
     ddp_like = isinstance(kind, type) or kind in DDP_LIKE
-    dataset = models.make_dataset(cfg.model, cfg.num_samples, seed=cfg.seed + 1, **cfg.model_sizes)
-    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed,
-                                 drop_last=True)
-    loader = DataLoader(dataset, batch_size=cfg.batch_size, sampler=sampler, drop_last=True)
+    sampler, loader = make_loader(cfg, rank, world)
     stream = batches(loader, sampler, 0, cfg.steps * accumulation)
     losses, wall, cpu = [], [], []
     for step in range(cfg.steps):
@@ -204,7 +200,7 @@ def train_steps(cfg, kind: str, *, accumulation: int = 1, seed_per_rank: bool = 
               "timeline": timeline.to_list() if timeline is not None else None}
     if kind == "bucketed":
         result["buckets"] = wrapped.buckets.describe()
-    if kind == "fsdp":
+    if kind == "mini_fsdp":
         result["units"] = wrapped.describe_units()
     return result
 

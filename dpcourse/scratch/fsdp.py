@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .ddp import broadcast_parameters_and_buffers
+from ..train.parallel import broadcast_module
 from .flat import FlatUnit
 
 
@@ -73,7 +73,7 @@ class MiniFSDP(nn.Module):
             raise ValueError(f"compute_dtype must be a floating-point dtype, not {compute_dtype}")
         self.module, self.compute_dtype, self.group = module, compute_dtype, group
         self.world_size = dist.get_world_size(group)
-        broadcast_parameters_and_buffers(module, group=group)  # ranks may have other seeds
+        broadcast_module(module, group=group)  # ranks may have other seeds
         self._names = [n for n, _ in module.named_parameters()]
         self.units = self._make_units(module, _policy(wrap), compute_dtype, group, shard_root)
         self.flat_params = nn.ParameterList([u.shard for u in self.units])

@@ -1,63 +1,21 @@
 """The bucket-size sweep and the alpha-beta model behind it.
 
-On the ranks: ``time_all_reduce`` measures all-reduce times by message size, and
-``bucket_sweep`` trains with BucketedDDP and torch DDP at several ``bucket_cap_mb`` and
-reports, per cap, the buckets, seconds per step, and communication in flight and exposed.
-In the kernel: ``fit_alpha_beta`` fits the alpha-beta model of a ring all-reduce
-(``dpcourse.collectives.cost.ring_all_reduce_seconds``: 2(N-1) messages of n/N bytes, each
-costing alpha + (n/N)/beta) to the measured times, and ``predict_comm_seconds`` says what
-one step's buckets should cost: small buckets pay alpha many times, one huge bucket cannot
-start before backward ends.
+On the ranks: ``bucket_sweep`` trains with BucketedDDP and torch DDP at several
+``bucket_cap_mb`` and reports, per cap, the buckets, seconds per step, and communication in
+flight and exposed. In the kernel: ``predict_comm_seconds`` says what one step's buckets
+should cost under the alpha-beta model fitted by ``dpcourse.collectives.alpha_beta``: small
+buckets pay alpha many times, one huge bucket cannot start before backward ends.
 """
 from __future__ import annotations
 
 import statistics
-import time
 
-import torch
 import torch.distributed as dist
 
 from ..collectives.cost import ring_all_reduce_seconds
 from .bucketed import assign_buckets
 from .experiment import train_steps
 from .timeline import Event, comm_seconds, exposed_seconds
-
-
-def time_all_reduce(sizes_bytes, repeats: int = 20) -> dict:
-    """On every rank together: median seconds of a float32 all-reduce per size (bytes)."""
-    out = {}
-    for nbytes in sizes_bytes:
-        t = torch.ones(max(1, nbytes // 4))
-        dist.barrier()
-        samples = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            dist.all_reduce(t)
-            samples.append(time.perf_counter() - start)
-        out[nbytes] = statistics.median(samples)
-    return out
-
-
-def fit_alpha_beta(seconds_by_bytes: dict, world_size: int) -> tuple[float, float]:
-    """(alpha in seconds per message, beta in bytes/s) of the ring model, least squares.
-
-    The ring all-reduce of n bytes takes 2(N-1) alpha + 2(N-1)/N n / beta: a straight line
-    in n, whose intercept and slope give alpha and beta.
-    """
-    if world_size < 2:
-        raise ValueError("the alpha-beta fit needs world_size >= 2 (one rank sends nothing)")
-    xs, ys = zip(*sorted(seconds_by_bytes.items()))
-    if len(xs) < 2:
-        raise ValueError("fit_alpha_beta needs times for at least two message sizes")
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-    if slope <= 0:
-        raise ValueError("larger messages did not take longer in these timings, so they say nothing "
-                         "about bandwidth (noise from other processes?); time more repeats over sizes "
-                         "further apart, e.g. 4 KiB to 4 MiB")
-    intercept = my - slope * mx
-    steps = 2 * (world_size - 1)
-    return max(intercept, 0.0) / steps, steps / world_size / slope
 
 
 def predict_comm_seconds(bucket_bytes, world_size: int, alpha: float, beta: float) -> float:
@@ -104,7 +62,7 @@ def torch_ddp_buckets(cfg, iterations: int = 2, bucket_cap_mb: float | None = No
     return per_iteration
 
 
-def bucket_sweep(cfg, caps_mb, kinds=("bucketed", "torch_ddp"), record_steps: int = 3) -> list[dict]:
+def bucket_sweep(cfg, caps_mb, kinds=("bucketed", "ddp"), record_steps: int = 3) -> list[dict]:
     """On every rank together: per (kind, cap), train ``cfg.steps`` steps recording the last
     ``record_steps``; this rank's figures per step: seconds (median over the recorded
     steps), communication in flight and exposed (seconds), and the number of buckets."""

@@ -32,8 +32,9 @@ import time
 import torch
 from torch import nn
 
-CATEGORIES = ("parameters", "inputs", "activations", "outputs", "gathered_outputs",
-              "gradients", "incoming_gradients")
+# What DataParallel puts on each device in one step (bytes by role; not the ledger's categories).
+DP_DEVICE_BYTES = ("parameters", "inputs", "activations", "outputs", "gathered_outputs",
+                   "gradients", "incoming_gradients")
 
 
 def _nbytes(tensors) -> int:
@@ -92,7 +93,7 @@ class ThreadedDataParallel(nn.Module):
 
     ``threads=False`` runs the same replicas one after another on the calling thread (the
     baseline for the speed-up). ``memory``: after each backward, one dict per device of
-    bytes by category (``CATEGORIES``); the primary device (0) alone holds the gathered
+    bytes by category (``DP_DEVICE_BYTES``); the primary device (0) alone holds the gathered
     outputs and receives the other replicas' gradients.
     """
 
@@ -106,7 +107,7 @@ class ThreadedDataParallel(nn.Module):
         self._replicas = [module] + [copy.deepcopy(module) for _ in range(num_devices - 1)]
         self._outputs = None
         self._anchor = torch.zeros((), requires_grad=True)
-        self.memory = [dict.fromkeys(CATEGORIES, 0) for _ in range(num_devices)]
+        self.memory = [dict.fromkeys(DP_DEVICE_BYTES, 0) for _ in range(num_devices)]
 
     def _replicate(self) -> None:
         """Copy the primary's parameters and buffers into every replica (DataParallel's
@@ -133,7 +134,7 @@ class ThreadedDataParallel(nn.Module):
         known = {p.untyped_storage().data_ptr() for p in replica.parameters()}
         known.add(chunk.untyped_storage().data_ptr())
         mem = self.memory[d]
-        mem.update(dict.fromkeys(CATEGORIES, 0), parameters=_nbytes(replica.parameters()),
+        mem.update(dict.fromkeys(DP_DEVICE_BYTES, 0), parameters=_nbytes(replica.parameters()),
                    inputs=_nbytes([chunk]), outputs=_nbytes([out]),
                    activations=_nbytes(t for t in saved if t.untyped_storage().data_ptr() not in known))
         return out

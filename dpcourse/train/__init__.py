@@ -2,7 +2,7 @@
 
     python -m dpcourse.train --strategy fsdp --sharding-strategy FULL_SHARD --steps 20
     torchrun --standalone --nproc_per_node=2 -m dpcourse.train --strategy ddp
-    cluster.run(dpc.train.train, dpc.train.TrainConfig(strategy="fsdp2"))   # from a notebook
+    cluster.run(dpc.train.train, dpc.train.TrainConfig(strategy="fully_shard"))   # from a notebook
 """
 from .config import ConfigError, TrainConfig, parse_args
 from .hooks import FullState, Run, StepHook, StepTimer

@@ -5,11 +5,7 @@ import argparse
 import dataclasses
 from dataclasses import dataclass, field
 
-STRATEGIES = ("ddp", "fsdp", "fsdp2")
-SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")
-AUTO_WRAP = ("block", "size", "none")
-PRECISIONS = ("fp32", "bf16", "fp16")
-OPTIMIZERS = ("adamw", "sgd")
+from .. import vocab
 
 
 class ConfigError(ValueError):
@@ -20,15 +16,15 @@ class ConfigError(ValueError):
 class TrainConfig:
     """Everything one training run needs. Sizes are per rank unless named global."""
 
-    strategy: str = "ddp"                  # ddp | fsdp (FSDP1) | fsdp2 (fully_shard)
+    strategy: str = "ddp"                  # ddp | fsdp (FSDP1) | fully_shard (FSDP2): vocab.WRAPPERS
     sharding_strategy: str = "FULL_SHARD"  # FSDP1 only
-    hybrid_shard_size: int | None = None   # HYBRID_SHARD: ranks per shard group ("node")
-    reshard_after_forward: bool = True     # FSDP2 only
+    shard_group_size: int | None = None    # HYBRID_SHARD: ranks per shard group ("node")
+    reshard_after_forward: bool = True     # fully_shard only
     auto_wrap: str = "block"               # one FSDP unit per block | by size | none
     min_num_params: int = 2000             # auto_wrap="size": parameters per unit (elements)
     mixed_precision: str = "fp32"          # fp32 | bf16 | fp16
     gradient_as_bucket_view: bool = False  # DDP only
-    model: str = "mlp"                     # mlp | transformer
+    model: str = "mlp"                     # mlp | transformer | tied_transformer
     model_sizes: dict = field(default_factory=dict)
     num_samples: int = 512                 # dataset size (samples, global)
     batch_size: int = 8                    # micro-batch per rank (samples)
@@ -47,17 +43,8 @@ class TrainConfig:
 
     def validate(self, world_size: int, device_type: str) -> None:
         """Raise ConfigError for anything that would fail (or silently mislead) later."""
-        def one_of(name, value, allowed):
-            if value not in allowed:
-                raise ConfigError(f"unknown {name} {value!r}; choose one of {', '.join(allowed)}")
-
-        one_of("strategy", self.strategy, STRATEGIES)
-        one_of("sharding_strategy", self.sharding_strategy, SHARDING_STRATEGIES)
-        one_of("auto_wrap", self.auto_wrap, AUTO_WRAP)
-        one_of("mixed_precision", self.mixed_precision, PRECISIONS)
-        one_of("optimizer", self.optimizer, OPTIMIZERS)
-        if self.model not in ("mlp", "transformer"):
-            raise ConfigError(f"unknown model {self.model!r}; choose one of mlp, transformer")
+        for name, allowed in CHOICES.items():
+            vocab.check_name(name, getattr(self, name), allowed, ConfigError)
         for name in ("batch_size", "steps", "num_samples"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, not {getattr(self, name)}")
@@ -88,14 +75,14 @@ class TrainConfig:
 
     def hybrid_mesh_shape(self, world_size: int) -> tuple[int, int]:
         """(replicate, shard) sizes of HYBRID_SHARD's 2-D mesh."""
-        shard = self.hybrid_shard_size
+        shard = self.shard_group_size
         if shard is None or shard < 1 or world_size % shard:
             raise ConfigError(
-                f"HYBRID_SHARD needs hybrid_shard_size dividing world_size={world_size} (ranks per "
+                f"HYBRID_SHARD needs shard_group_size dividing world_size={world_size} (ranks per "
                 f"shard group, usually GPUs per node), got {shard}")
         if shard == world_size:
             raise ConfigError(
-                f"hybrid_shard_size={shard} equals world_size: HYBRID_SHARD would silently be "
+                f"shard_group_size={shard} equals world_size: HYBRID_SHARD would silently be "
                 "FULL_SHARD (one shard group, nothing to replicate). Use a smaller shard group, "
                 "e.g. 2 ranks per 'node', or choose FULL_SHARD")
         return world_size // shard, shard
@@ -103,14 +90,14 @@ class TrainConfig:
 
 # One line per option for --help: what it means and its units; "%(default)s" shows the default.
 HELP = {
-    "strategy": "data-parallel wrapper: ddp (DistributedDataParallel), fsdp (FSDP1), fsdp2 "
-                "(fully_shard); default %(default)s",
+    "strategy": "data-parallel wrapper: ddp (DistributedDataParallel), fsdp (FSDP1 "
+                "FullyShardedDataParallel), fully_shard (FSDP2); default %(default)s",
     "sharding_strategy": "FSDP1 only: what is sharded -- FULL_SHARD (params, grads, optimizer "
                          "state), SHARD_GRAD_OP (grads, optimizer state), HYBRID_SHARD (FULL_SHARD "
                          "within a node, replicated across), NO_SHARD (like DDP); default %(default)s",
-    "hybrid_shard_size": "HYBRID_SHARD: ranks per shard group, usually GPUs per node; must divide "
+    "shard_group_size": "HYBRID_SHARD: ranks per shard group, usually GPUs per node; must divide "
                          "the world size; default %(default)s",
-    "reshard_after_forward": "FSDP2 only: free gathered parameters after forward (gather again in "
+    "reshard_after_forward": "fully_shard only: free gathered parameters after forward (gather again in "
                              "backward); default %(default)s",
     "auto_wrap": "FSDP units: block (one per model block), size (by --min-num-params), none (one "
                  "unit for the whole model); default %(default)s",
@@ -119,7 +106,8 @@ HELP = {
                        "units); default %(default)s",
     "gradient_as_bucket_view": "DDP only: gradients are views into the all-reduce buckets (saves "
                                "one gradient copy); default %(default)s",
-    "model": "demo model: mlp (regression) or transformer (tiny language model); default %(default)s",
+    "model": "demo model: mlp (regression), transformer (tiny language model) or tied_transformer "
+             "(the same with tied embeddings and a frozen position table); default %(default)s",
     "model_sizes": "model sizes as key=value pairs, e.g. d_hidden=128,depth=6 (mlp) or "
                    "d_model=64,n_layers=4 (transformer); default: the model's own (%(default)r)",
     "num_samples": "synthetic dataset size (samples, all ranks together); default %(default)s",
@@ -127,7 +115,8 @@ HELP = {
                   "default %(default)s",
     "steps": "optimizer steps in total, steps done before a resume included; default %(default)s",
     "lr": "learning rate; default %(default)s",
-    "optimizer": "adamw (weight decay 0.01) or sgd (momentum 0.9); default %(default)s",
+    "optimizer": "sgd (no momentum), sgd_momentum (0.9), adam or adamw (weight decay 0.01); "
+                 "default %(default)s",
     "seed": "seed of the weights, the data and the sampler's shuffle; default %(default)s",
     "checkpoint_dir": "folder for DCP checkpoints (one step-NNNNNN/ folder each, published "
                       "atomically once complete); a checkpoint is always saved at the end; "
@@ -148,15 +137,15 @@ HELP = {
                "bytes (bytes sent in the last step, by collective, next to the theory); default "
                "%(default)r (nothing: a plain training loop)",
 }
-CHOICES = {"strategy": STRATEGIES, "sharding_strategy": SHARDING_STRATEGIES, "auto_wrap": AUTO_WRAP,
-           "mixed_precision": PRECISIONS, "optimizer": OPTIMIZERS, "model": ("mlp", "transformer"),
-           "backend": ("gloo", "nccl", "auto")}
+CHOICES = {"strategy": tuple(vocab.WRAPPERS), "sharding_strategy": tuple(vocab.SHARDING_STRATEGIES),
+           "auto_wrap": vocab.AUTO_WRAP, "mixed_precision": vocab.MIXED_PRECISION,
+           "optimizer": tuple(vocab.OPTIMIZERS), "model": vocab.MODELS}
 
 
 def make_parser() -> argparse.ArgumentParser:
     """The command line of ``python -m dpcourse.train``: one flag per TrainConfig field."""
     parser = argparse.ArgumentParser(
-        prog="python -m dpcourse.train", description="Train a demo model with DDP, FSDP or FSDP2.",
+        prog="python -m dpcourse.train", description="Train a demo model with DDP, FSDP1 or FSDP2 (fully_shard).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Under torchrun --max-restarts, add --checkpoint-dir DIR --checkpoint-every N\n"
                "--resume auto: restarted workers continue from the newest complete checkpoint.")
@@ -172,10 +161,10 @@ def make_parser() -> argparse.ArgumentParser:
             kwargs.update(nargs="?", const="latest", metavar="auto|latest|PATH")
         elif isinstance(value, bool):
             kwargs["action"] = argparse.BooleanOptionalAction
-        elif f.name in CHOICES:
-            kwargs["choices"] = CHOICES[f.name]
+        elif f.name in CHOICES or f.name == "backend":
+            kwargs["choices"] = CHOICES.get(f.name, ("gloo", "nccl", "auto"))
         else:
-            kwargs["type"] = int if f.name == "hybrid_shard_size" else (type(value) if value is not None else str)
+            kwargs["type"] = int if f.name == "shard_group_size" else (type(value) if value is not None else str)
             kwargs["metavar"] = {int: "N", float: "X"}.get(kwargs["type"], "DIR" if "dir" in f.name else "FILE")
         parser.add_argument(flag, **kwargs)
     return parser

@@ -51,7 +51,7 @@ def comm_report(run: Run, sent) -> dict:
         own = {n: sizes[n] - nested[n] for n in names}
         root, units = own.pop("", 0), list(own.values())
     theory = volume.step_bytes(cfg.strategy, dist.get_world_size(), units, root, cfg.sharding_strategy,
-                               cfg.reshard_after_forward, cfg.hybrid_shard_size)
+                               cfg.reshard_after_forward, cfg.shard_group_size)
     measured: dict[str, int] = {}
     for record in sent.records:
         if record.logical_sent:

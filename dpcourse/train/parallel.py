@@ -38,11 +38,11 @@ def mixed_precision_dtypes(cfg: TrainConfig) -> tuple[torch.dtype, torch.dtype] 
     return dtype, dtype
 
 
-def broadcast_module(model: nn.Module, src: int = 0) -> None:
-    """Copy rank ``src``'s parameters and buffers into every rank's model, in place."""
+def broadcast_module(model: nn.Module, src: int = 0, group=None) -> None:
+    """Copy rank ``src``'s parameters and buffers into every rank's model (of ``group``), in place."""
     with torch.no_grad():
         for tensor in list(model.parameters()) + list(model.buffers()):
-            dist.broadcast(tensor.data, src=src)
+            dist.broadcast(tensor.data, src=src, group=group)
 
 
 def apply_ddp(model: nn.Module, device: torch.device, cfg: TrainConfig) -> nn.Module:
@@ -87,10 +87,13 @@ def apply_fsdp(model: nn.Module, device: torch.device, cfg: TrainConfig, block_c
         # PyTorch deprecates NO_SHARD in favour of DDP; the course compares them on purpose.
         warnings.filterwarnings("ignore", "The `NO_SHARD` sharding strategy is deprecated", FutureWarning)
         # use_orig_params=False: the optimizer steps the FlatParameters, which is what the
-        # memory ledger counts and what MemTracker can follow (it fails on the views).
+        # memory ledger counts and what MemTracker can follow (it fails on the views). A
+        # FlatParameter has one requires_grad, so a model with frozen parameters
+        # (tied_transformer's position table) keeps its original parameters instead.
+        frozen_and_trained = len({p.requires_grad for p in model.parameters()}) > 1
         return FSDP(model, sharding_strategy=ShardingStrategy[cfg.sharding_strategy],
                     auto_wrap_policy=_wrap_policy(cfg, block_classes), device_id=device,
-                    use_orig_params=False, **kwargs)
+                    use_orig_params=frozen_and_trained, **kwargs)
 
 
 def apply_fsdp2(model: nn.Module, device: torch.device, cfg: TrainConfig, block_classes) -> nn.Module:
@@ -121,7 +124,7 @@ def describe(model: nn.Module, cfg: TrainConfig) -> str:
     world = dist.get_world_size()
     if cfg.strategy == "ddp":
         return f"DDP over {world} ranks (gradient_as_bucket_view={cfg.gradient_as_bucket_view})"
-    if cfg.strategy == "fsdp2":
+    if cfg.strategy == "fully_shard":
         units = sum(1 for m in model.modules() if type(m).__name__.startswith("FSDP"))
         return (f"FSDP2 fully_shard over {world} ranks, {units} units, "
                 f"reshard_after_forward={cfg.reshard_after_forward}")

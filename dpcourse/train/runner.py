@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
-from .. import models
+from .. import models, vocab
 from ..backends import BackendError, choose_backend, rank_device, uses_cuda
 from . import checkpoint, parallel
 from .config import TrainConfig
@@ -35,17 +35,22 @@ def build(cfg: TrainConfig, device: torch.device):
         apply = parallel.apply_fsdp if cfg.strategy == "fsdp" else parallel.apply_fsdp2
         model = apply(model, device, cfg, blocks)
     optimizer = make_optimizer(cfg, model.parameters())
-    dataset = models.make_dataset(cfg.model, cfg.num_samples, seed=cfg.seed + 1, **cfg.model_sizes)
-    sampler = DistributedSampler(dataset, num_replicas=dist.get_world_size(), rank=dist.get_rank(),
-                                 shuffle=True, seed=cfg.seed, drop_last=True)
-    loader = DataLoader(dataset, batch_size=cfg.batch_size, sampler=sampler, drop_last=True)
+    sampler, loader = make_loader(cfg, dist.get_rank(), dist.get_world_size())
     return model, optimizer, sampler, loader
 
 
+def make_loader(cfg: TrainConfig, rank: int, world_size: int):
+    """(sampler, loader) of rank ``rank``'s share of ``cfg``'s dataset: ``cfg.batch_size``
+    samples per batch, shuffled by ``cfg.seed``, the last uneven samples dropped."""
+    dataset = models.make_dataset(cfg.model, cfg.num_samples, seed=cfg.seed + 1, **cfg.model_sizes)
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
+                                 seed=cfg.seed, drop_last=True)
+    return sampler, DataLoader(dataset, batch_size=cfg.batch_size, sampler=sampler, drop_last=True)
+
+
 def make_optimizer(cfg: TrainConfig, params):
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=0.9)
-    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.01)
+    """The optimizer ``cfg.optimizer`` names (``dpcourse.vocab.OPTIMIZERS``), at ``cfg.lr``."""
+    return vocab.make_optimizer(cfg.optimizer, params, cfg.lr)
 
 
 def batches(loader, sampler, start_step: int, steps: int, epoch: int | None = None, skip: int = 0):
@@ -139,12 +144,9 @@ def train_single_process(cfg: TrainConfig, world_size: int, accumulation: int = 
     """
     model = models.build_model(cfg.model, seed=cfg.seed, **cfg.model_sizes)
     optimizer = make_optimizer(cfg, model.parameters())
-    dataset = models.make_dataset(cfg.model, cfg.num_samples, seed=cfg.seed + 1, **cfg.model_sizes)
     streams = []
     for r in range(world_size):
-        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=r, shuffle=True,
-                                     seed=cfg.seed, drop_last=True)
-        loader = DataLoader(dataset, batch_size=cfg.batch_size, sampler=sampler, drop_last=True)
+        sampler, loader = make_loader(cfg, r, world_size)
         streams.append(batches(loader, sampler, 0, cfg.steps * accumulation))
     losses = []
     for _ in range(cfg.steps):

@@ -29,7 +29,7 @@ def _ring(collective: str, nbytes: float, n: int) -> float:
 
 def step_bytes(strategy: str, world_size: int, unit_bytes: list[int], root_bytes: int = 0,
                sharding_strategy: str = "FULL_SHARD", reshard_after_forward: bool = True,
-               hybrid_shard_size: int | None = None) -> dict[str, float]:
+               shard_group_size: int | None = None) -> dict[str, float]:
     """Bytes one rank sends per step, by collective (ring algorithms).
 
     unit_bytes: parameter bytes of each wrapped unit (FSDP) — for DDP, pass all parameter
@@ -41,9 +41,9 @@ def step_bytes(strategy: str, world_size: int, unit_bytes: list[int], root_bytes
         return {"all_reduce": _ring("all_reduce", total, n)}
     group, replicas = n, 1
     if strategy == "fsdp" and sharding_strategy == "HYBRID_SHARD":
-        group = hybrid_shard_size
+        group = shard_group_size
         replicas = n // group
-    reshard = reshard_after_forward if strategy == "fsdp2" else sharding_strategy != "SHARD_GRAD_OP"
+    reshard = reshard_after_forward if strategy == "fully_shard" else sharding_strategy != "SHARD_GRAD_OP"
     gathered = total + (sum(unit_bytes) if reshard else 0)  # backward re-gathers freed units
     volume = {"all_gather": _ring("all_gather", gathered, group),
               "reduce_scatter": _ring("reduce_scatter", total, group)}

@@ -64,7 +64,7 @@ class MemoryCalculator:
         self.vocab_size = w.IntText(value=50257, description="vocab_size", style=style)
         self.seq_len = w.IntText(value=2048, description="seq_len", style=style)
         self.world_size = w.IntText(value=8, description="world_size", style=style)
-        self.gpus_per_node = w.IntText(value=8, description="ranks per node", style=style)
+        self.shard_group_size = w.IntText(value=8, description="shard_group_size", style=style)
         self.precision = w.Dropdown(options=["mixed", "fp32"], value="mixed", description="precision", style=style)
         self.optimizer = w.Dropdown(options=list(OPTIMIZERS), value="adam", description="optimizer", style=style)
         self.device_gb = w.FloatText(value=80.0, description="device (GB)", style=style)
@@ -74,12 +74,12 @@ class MemoryCalculator:
         self.text = w.HTML()
         self.image = w.Image(format="png")
         self.inputs = [self.mode, self.billions, self.num_units, self.n_layers, self.d_model,
-                       self.vocab_size, self.seq_len, self.world_size, self.gpus_per_node,
+                       self.vocab_size, self.seq_len, self.world_size, self.shard_group_size,
                        self.precision, self.optimizer, self.device_gb, self.activations_gb, self.unit]
         shape = w.VBox([self.n_layers, self.d_model, self.vocab_size, self.seq_len])
         self.widget = w.VBox([w.HBox([self.mode, self.preset]),
                               w.HBox([w.VBox([self.billions, self.num_units, shape]),
-                                      w.VBox([self.world_size, self.gpus_per_node, self.precision,
+                                      w.VBox([self.world_size, self.shard_group_size, self.precision,
                                               self.optimizer, self.device_gb, self.activations_gb,
                                               self.unit])]),
                               self.text, self.image])
@@ -126,8 +126,8 @@ class MemoryCalculator:
             device = int(self.device_gb.value * 1e9)
             options = dict(units=self.units(), activation_bytes=int(self.activations_gb.value * 1e9))
             self.rows = fit_table(n, world, device, self.precision.value, self.optimizer.value,
-                                  shard_group_size=self.gpus_per_node.value, **options)
-            choice, why = recommend(n, world, device, self.gpus_per_node.value, self.precision.value,
+                                  shard_group_size=self.shard_group_size.value, **options)
+            choice, why = recommend(n, world, device, self.shard_group_size.value, self.precision.value,
                                     self.optimizer.value, **options)
         except ValueError as err:
             self.verdict = f"cannot compute: {err}"

@@ -94,7 +94,7 @@ def draw_bucket_sweep(rows, predicted=None, ax=None, title: str = "bucket-size s
 
     if ax is None:
         _, ax = plt.subplots(figsize=(9.5, 4))
-    styles = {"bucketed": ("#3182bd", "BucketedDDP"), "torch_ddp": ("#e6550d", "torch DDP")}
+    styles = {"bucketed": ("#3182bd", "BucketedDDP"), "ddp": ("#e6550d", "torch DDP")}
     for kind in sorted({r["kind"] for r in rows}):
         mine = sorted((r for r in rows if r["kind"] == kind), key=lambda r: r["bucket_cap_mb"])
         color, name = styles.get(kind, ("#636363", kind))

@@ -1,0 +1,71 @@
+"""The course's one vocabulary: every name a learner can pass, in PyTorch's own words.
+
+The training runner, the memory ledger, the from-scratch wrappers, the widgets, the
+benchmarks and the command line all take their names from these tables, so one word means
+one thing in every room (``tests/test_vocabulary.py`` checks that each room accepts them):
+
+    wrapper             how the model is wrapped: ``ddp``, ``fsdp`` (FSDP1) or ``fully_shard`` (FSDP2)
+    sharding_strategy   FSDP1's ``ShardingStrategy``: what each rank keeps only a shard of
+    shard_group_size    HYBRID_SHARD's ranks per shard group (usually the GPUs of one node)
+    mixed_precision     the dtype forward and backward compute in (``fp32``, ``bf16``, ``fp16``)
+    precision           the ledger's byte layout: ``fp32``, ``mixed`` (ZeRO's 2+2+K), ``autocast``
+    optimizer           ``sgd`` (no state), ``sgd_momentum``, ``adam``, ``adamw``
+    model               ``mlp``, ``transformer``, ``tied_transformer`` (``dpcourse.models``)
+"""
+from __future__ import annotations
+
+# How the model is wrapped, by the PyTorch API that does it.
+WRAPPERS = {
+    "ddp": "torch.nn.parallel.DistributedDataParallel",
+    "fsdp": "torch.distributed.fsdp.FullyShardedDataParallel (FSDP1)",
+    "fully_shard": "torch.distributed.fsdp.fully_shard (FSDP2)",
+}
+
+# The course's own teaching wrappers (dpcourse.scratch), named after what they add.
+SCRATCH_WRAPPERS = {
+    "naive": "NaiveDDP: one all-reduce per gradient after backward",
+    "overlap": "OverlapDDP: each gradient's all-reduce starts as soon as it is ready",
+    "bucketed": "BucketedDDP: gradients packed into buckets of bucket_cap_mb",
+    "mini_fsdp": "MiniFSDP: parameters sharded, all-gathered per unit, gradients reduce-scattered",
+}
+
+# What each sharding strategy divides by the shard group size (the ZeRO stages' model states).
+SHARDING_STRATEGIES = {
+    "NO_SHARD": (),
+    "SHARD_GRAD_OP": ("gradients", "optimizer_state"),
+    "FULL_SHARD": ("parameters", "gradients", "optimizer_state"),
+    "HYBRID_SHARD": ("parameters", "gradients", "optimizer_state"),  # within each shard group
+}
+ZERO_STAGES = {
+    "zero1": ("optimizer_state",),
+    "zero2": ("gradients", "optimizer_state"),
+    "zero3": ("parameters", "gradients", "optimizer_state"),
+}
+# Everything the memory ledger can account for: DataParallel (one process, many devices),
+# the three wrappers' layouts, the ZeRO stages and FSDP1's strategies by their own names.
+LEDGER_STRATEGIES = ("dp", "ddp", *ZERO_STAGES, *SHARDING_STRATEGIES, "fully_shard")
+
+AUTO_WRAP = ("block", "size", "none")  # one FSDP unit per model block | by min_num_params | one unit
+MIXED_PRECISION = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "mixed", "autocast")
+MODELS = ("mlp", "transformer", "tied_transformer")
+
+# fp32 state tensors the optimizer keeps per parameter (each as large as the parameter).
+OPTIMIZERS = {"sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2}
+
+
+def check_name(what: str, value, allowed, error=ValueError) -> None:
+    """Raise ``error`` naming the valid choices when ``value`` is not one of ``allowed``."""
+    if value not in allowed:
+        raise error(f"unknown {what} {value!r}; choose one of {', '.join(allowed)}")
+
+
+def make_optimizer(name: str, params, lr: float):
+    """The ``torch.optim`` optimizer a vocabulary name stands for (AdamW with torch's default
+    weight decay 0.01; SGD with momentum 0.9 for ``sgd_momentum``)."""
+    import torch
+
+    check_name("optimizer", name, OPTIMIZERS)
+    if name in ("sgd", "sgd_momentum"):
+        return torch.optim.SGD(params, lr=lr, momentum=0.9 if name == "sgd_momentum" else 0.0)
+    return (torch.optim.Adam if name == "adam" else torch.optim.AdamW)(params, lr=lr)

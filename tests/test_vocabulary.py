@@ -1,0 +1,100 @@
+"""One vocabulary: every room accepts the names of ``dpcourse.vocab``, and means the same by them."""
+from __future__ import annotations
+
+import importlib
+import inspect
+import pathlib
+import re
+
+import pytest
+import torch
+
+import dpcourse
+from dpcourse import models, vocab
+from dpcourse.memory import LedgerError, fit_table, ledger, recommend
+from dpcourse.memory import experiment as memory_experiment
+from dpcourse.scratch import experiment as scratch_experiment
+from dpcourse.train import ConfigError, TrainConfig, config, parse_args, volume
+
+PACKAGE = pathlib.Path(dpcourse.__file__).parent
+ledger_module = importlib.import_module("dpcourse.memory.ledger")  # the package exports the function
+
+
+def test_training_runner_and_its_command_line_accept_every_name():
+    cases = ([("strategy", s) for s in vocab.WRAPPERS] + [("model", m) for m in vocab.MODELS]
+             + [("optimizer", o) for o in vocab.OPTIMIZERS]
+             + [("mixed_precision", p) for p in vocab.MIXED_PRECISION]
+             + [("sharding_strategy", s) for s in vocab.SHARDING_STRATEGIES if s != "HYBRID_SHARD"]
+             + [("auto_wrap", a) for a in vocab.AUTO_WRAP])
+    for field, name in cases:
+        cfg = TrainConfig(**{field: name})
+        cfg.validate(world_size=2, device_type="cpu")
+        flag = "--" + field.replace("_", "-")
+        assert getattr(parse_args([flag, name]), field) == name
+    TrainConfig(strategy="fsdp", sharding_strategy="HYBRID_SHARD", shard_group_size=2).validate(4, "cpu")
+    with pytest.raises(ConfigError, match="unknown optimizer 'momentum'; choose one of sgd, sgd_momentum"):
+        TrainConfig(optimizer="momentum").validate(2, "cpu")
+
+
+def test_every_table_of_names_lives_in_the_vocabulary():
+    """No room keeps its own list of strategy, optimizer, precision or model names."""
+    own = re.compile(r"^(STRATEGIES|SHARDING_STRATEGIES|OPTIMIZERS|PRECISIONS|MODELS|AUTO_WRAP)\s*=\s*[(\[{]",
+                     re.M)
+    found = [str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
+             if p.name != "vocab.py" and own.search(p.read_text())]
+    # models.py maps the vocabulary's model names to their classes (checked below).
+    assert found == ["models.py"], found
+    assert tuple(models.MODELS) == vocab.MODELS
+    assert config.CHOICES["strategy"] == tuple(vocab.WRAPPERS)
+
+
+def test_one_name_for_the_shard_group_size_everywhere():
+    for fn in (ledger, fit_table, recommend, volume.step_bytes, memory_experiment.wrap):
+        assert "shard_group_size" in inspect.signature(fn).parameters, fn.__qualname__
+    assert "shard_group_size" in {f.name for f in config.dataclasses.fields(TrainConfig)}
+    for old in ("hybrid_shard_size", "gpus_per_node"):
+        users = [str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if old in p.read_text()]
+        assert not users, f"{old} is still used in {users}"
+
+
+def test_ledger_accepts_every_strategy_precision_and_optimizer():
+    for strategy in vocab.LEDGER_STRATEGIES:
+        group = 2 if strategy == "HYBRID_SHARD" else None
+        for optimizer in vocab.OPTIMIZERS:
+            book = ledger(1000, 4, strategy, "mixed", optimizer, shard_group_size=group)
+            assert book.strategy == strategy
+    with pytest.raises(LedgerError, match="choose one of dp, ddp, zero1"):
+        ledger(1000, 4, "fsdp2")
+
+
+@pytest.mark.parametrize("name", list(vocab.OPTIMIZERS))
+def test_an_optimizer_keeps_the_state_the_vocabulary_and_the_ledger_count(name):
+    """Measured on torch.optim after one step: parameter-sized state tensors per parameter."""
+    layer = torch.nn.Linear(7, 5)
+    optimizer = vocab.make_optimizer(name, layer.parameters(), lr=0.1)
+    layer(torch.randn(3, 7)).sum().backward()
+    optimizer.step()
+    for p in layer.parameters():
+        same_size = [t for t in optimizer.state[p].values() if torch.is_tensor(t) and t.shape == p.shape]
+        assert len(same_size) == vocab.OPTIMIZERS[name]
+        assert ledger_module.OPTIMIZER_STATE_BYTES[name] == 4 * len(same_size)
+
+
+def test_from_scratch_and_pytorch_wrappers_share_the_names():
+    assert set(scratch_experiment.KINDS) == set(vocab.SCRATCH_WRAPPERS) | {"ddp", "fsdp"}
+    assert set(scratch_experiment.KINDS) & set(vocab.WRAPPERS) == {"ddp", "fsdp"}  # the same APIs
+    from dpcourse.bench import scratch, strategies
+
+    assert {kind for kind, _ in scratch.VARIANTS.values()} <= set(scratch_experiment.KINDS)
+    for options in strategies.ROWS.values():
+        TrainConfig(**options).validate(world_size=4, device_type="cpu")
+
+
+def test_the_calculator_offers_the_ledgers_names():
+    pytest.importorskip("ipywidgets")
+    from dpcourse.viz.calculator import MemoryCalculator
+
+    calc = MemoryCalculator()
+    assert tuple(calc.optimizer.options) == tuple(vocab.OPTIMIZERS)
+    assert set(calc.precision.options) <= set(vocab.PRECISIONS)
+    assert calc.shard_group_size.description == "shard_group_size"
