@@ -33,7 +33,7 @@ class NoisyTimings:
         self.cluster, self.world_size = cluster, cluster.world_size
 
     def run(self, fn, *args, **kwargs):
-        if fn is dpc.scratch.sweep.time_all_reduce:
+        if fn is dpc.collectives.alpha_beta.time_all_reduce:
             return [dict(NOISE)] * self.world_size
         return self.cluster.run(fn, *args, **kwargs)
 
@@ -44,7 +44,7 @@ def cell(cell_id: str) -> str:
 
 def test_noise_dominated_timings_are_refused():
     with pytest.raises(ValueError, match="did not take longer"):
-        dpc.scratch.sweep.fit_alpha_beta(NOISE, 2)
+        dpc.collectives.alpha_beta.fit_alpha_beta(NOISE, 2)
 
 
 def test_the_sweep_cell_runs_without_a_fit(cluster2):

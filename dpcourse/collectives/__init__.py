@@ -7,10 +7,12 @@
     simulate("ring_all_reduce", world_size, numel)     # the same schedule, no processes
     measure_bytes_sent(fn)             # on a rank: logical (c10d ops) and wire bytes
     run_collective(cluster, "all_gather")              # any collective, before/after per rank
+    alpha_beta.fit_alpha_beta(cluster.run(alpha_beta.time_all_reduce, sizes)[0], n)
 
 Modules: schedule (who sends what when), trace, ring (the one to read), fast_ring,
-naive, cost (formulas), meter, live.
+naive, cost (formulas), alpha_beta (the model fitted to timings), meter, live.
 """
+from . import alpha_beta
 from .cost import (algbw, bus_factor, busbw, bytes_sent_per_rank, num_steps,
                    ring_all_reduce_busbw, ring_all_reduce_seconds)
 from .fast_ring import fast_ring_all_gather, fast_ring_all_reduce, fast_ring_reduce_scatter
