@@ -119,23 +119,35 @@ def plot_timeline(configs, rank: int = 0, unit: str = "KiB", axes=None):
     return fig
 
 
-def draw_ledger_frame(axes, configs, k: int, unit: str = "KiB") -> None:
-    """Frame ``k`` of the step: per configuration, one stacked bar per rank, theory as outline."""
+def _ranks(config) -> list:
+    return list(config) if isinstance(config, (list, tuple)) else [config]
+
+
+def theories_for(configs) -> list:
+    """The ledger of every rank of every configuration, computed once for all frames."""
+    return [[report.theory_for(r) for r in _ranks(config)] for config in configs]
+
+
+def draw_ledger_frame(axes, configs, k: int, unit: str = "KiB", theories=None) -> None:
+    """Frame ``k`` of the step: per configuration, one stacked bar per rank, theory as outline.
+
+    theories: ``theories_for(configs)``, passed in when many frames are drawn."""
     from matplotlib.patches import Patch, Rectangle
 
+    theories = theories or theories_for(configs)
     # one y-axis for every panel and frame, so the strategies' heights compare at a glance
-    everyone = [r for config in configs for r in (config if isinstance(config, (list, tuple)) else [config])]
+    everyone = [r for config in configs for r in _ranks(config)]
     top = max([sum(f["peak"].values()) for r in everyone for f in r["frames"]]
-              + [report.theory_for(r).peak for r in everyone])
-    for ax, config in zip(axes, configs):
-        ranks = config if isinstance(config, (list, tuple)) else [config]
+              + [t.peak for books in theories for t in books])
+    for ax, config, books in zip(axes, configs, theories):
+        ranks = _ranks(config)
         ax.clear()
         phase = "?"
-        for r, result in enumerate(ranks):
+        for r, (result, theory) in enumerate(zip(ranks, books)):
             frame = result["frames"][min(k, len(result["frames"]) - 1)]
             phase = frame["phase"]
             _stack(ax, r, frame["peak"], 0.6, unit, label=False)
-            expected = sum(report.theory_for(result).phases[phase_kind(phase)].values())
+            expected = sum(theory.phases[phase_kind(phase)].values())
             ax.add_patch(Rectangle((r - 0.36, 0), 0.72, in_unit(expected, unit), fill=False,
                                    ls="--", lw=1.2, ec="k"))
         ax.set_ylim(0, in_unit(top, unit) * 1.08)
@@ -143,21 +155,19 @@ def draw_ledger_frame(axes, configs, k: int, unit: str = "KiB") -> None:
         ax.set_xticks(range(len(ranks)), [f"rank {r}" for r in range(len(ranks))], fontsize=7)
         ax.set_title(f"{report.label(ranks[0])}\n{phase}", fontsize=8)
         ax.set_ylabel(f"{unit} per rank", fontsize=7)
-    used = [c for c in CATEGORIES if any(f["peak"].get(c) for config in configs
-                                         for r in (config if isinstance(config, (list, tuple)) else [config])
-                                         for f in r["frames"])]
+    used = [c for c in CATEGORIES if any(f["peak"].get(c) for r in everyone for f in r["frames"])]
     handles = [Patch(color=CATEGORY_COLORS[c], label=LABELS[c]) for c in used]
     handles.append(Patch(fill=False, ls="--", ec="k", label="theory"))
     axes[-1].legend(handles=handles, fontsize=6, loc="upper left", bbox_to_anchor=(1.02, 1))
 
 
-def render_ledger_png(configs, k: int, unit: str = "KiB") -> bytes:
+def render_ledger_png(configs, k: int, unit: str = "KiB", theories=None) -> bytes:
     """Frame ``k`` drawn as PNG bytes (the player shows these)."""
     from matplotlib.figure import Figure  # no pyplot: drawing a PNG leaves the backend alone
 
     fig = Figure(figsize=(3.2 * len(configs) + 1.6, 3.6))
     axes = fig.subplots(1, len(configs), squeeze=False)[0]
-    draw_ledger_frame(axes, configs, k, unit)
+    draw_ledger_frame(axes, configs, k, unit, theories)
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=90)
@@ -176,7 +186,8 @@ class LedgerPlayer:
         import ipywidgets as w
 
         self.configs, self.unit, self._png = list(configs), unit, {}
-        steps = max(len(r["frames"]) for c in self.configs for r in (c if isinstance(c, list) else [c]))
+        self.theories = theories_for(self.configs)
+        steps = max(len(r["frames"]) for c in self.configs for r in _ranks(c))
         self.play = w.Play(min=0, max=steps - 1, step=1, interval=interval_ms, description="play")
         self.slider = w.IntSlider(min=0, max=steps - 1, description="step")
         w.jslink((self.play, "value"), (self.slider, "value"))
@@ -191,7 +202,7 @@ class LedgerPlayer:
 
         k = self.slider.value
         if k not in self._png:
-            self._png[k] = render_ledger_png(self.configs, k, self.unit)
+            self._png[k] = render_ledger_png(self.configs, k, self.unit, self.theories)
         show_png(self.image, self._png[k])
 
     def _ipython_display_(self):
