@@ -57,7 +57,7 @@ class MemoryProbe(StepHook):
         result = {"strategy": strategy, "options": options, "rank": dist.get_rank(),
                   "world_size": dist.get_world_size(), "model": cfg.model, "sizes": dict(cfg.model_sizes),
                   "batch_size": cfg.batch_size,
-                  "optimizer": "adamw" if cfg.optimizer == "adamw" else "sgd_momentum",
+                  "optimizer": cfg.optimizer,
                   "num_params": sum(p.numel() for p in plain.parameters()),
                   "units": unit_shapes(plain, models.wrap_classes(cfg.model)),
                   "at_rest": self.at_rest_bytes, "frames": self.record["frames"]}

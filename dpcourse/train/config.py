@@ -18,11 +18,12 @@ class TrainConfig:
 
     strategy: str = "ddp"                  # ddp | fsdp (FSDP1) | fully_shard (FSDP2): vocab.WRAPPERS
     sharding_strategy: str = "FULL_SHARD"  # FSDP1 only
-    shard_group_size: int | None = None    # HYBRID_SHARD: ranks per shard group ("node")
+    shard_group_size: int | None = None    # HYBRID_SHARD / fully_shard on a 2-D mesh: ranks per group
     reshard_after_forward: bool = True     # fully_shard only
     auto_wrap: str = "block"               # one FSDP unit per block | by size | none
     min_num_params: int = 2000             # auto_wrap="size": parameters per unit (elements)
-    mixed_precision: str = "fp32"          # fp32 | bf16 | fp16
+    mixed_precision: str = "fp32"          # fp32 | bf16 | fp16: the compute (parameter) dtype
+    reduce_dtype: str | None = None        # FSDP: gradients reduced in (default: mixed_precision)
     gradient_as_bucket_view: bool = False  # DDP only
     model: str = "mlp"                     # mlp | transformer | tied_transformer
     model_sizes: dict = field(default_factory=dict)
@@ -52,8 +53,19 @@ class TrainConfig:
         if per_rank < self.batch_size:
             raise ConfigError(f"num_samples={self.num_samples} gives each of {world_size} ranks "
                               f"{per_rank} samples, fewer than batch_size={self.batch_size}")
-        if self.strategy == "fsdp" and self.sharding_strategy == "HYBRID_SHARD":
+        if self.strategy == "fsdp" and self.sharding_strategy == "HYBRID_SHARD" or (
+                self.strategy == "fully_shard" and self.shard_group_size is not None):
             self.hybrid_mesh_shape(world_size)
+        elif self.shard_group_size is not None:
+            raise ConfigError(f"shard_group_size applies to strategy='fsdp' with HYBRID_SHARD and to "
+                              f"strategy='fully_shard' (a 2-D mesh), not to {self.strategy!r} with "
+                              f"{self.sharding_strategy}; drop it or choose one of those")
+        if self.reduce_dtype is not None:
+            vocab.check_name("reduce_dtype", self.reduce_dtype, vocab.MIXED_PRECISION, ConfigError)
+            if self.strategy == "ddp" or self.mixed_precision == "fp32":
+                raise ConfigError("reduce_dtype is FSDP's mixed-precision option (MixedPrecision, "
+                                  "MixedPrecisionPolicy): use it with strategy='fsdp' or 'fully_shard' "
+                                  "and mixed_precision='bf16' or 'fp16'")
         if self.mixed_precision == "bf16" and device_type == "cuda":
             import torch
 
@@ -95,8 +107,11 @@ HELP = {
     "sharding_strategy": "FSDP1 only: what is sharded -- FULL_SHARD (params, grads, optimizer "
                          "state), SHARD_GRAD_OP (grads, optimizer state), HYBRID_SHARD (FULL_SHARD "
                          "within a node, replicated across), NO_SHARD (like DDP); default %(default)s",
-    "shard_group_size": "HYBRID_SHARD: ranks per shard group, usually GPUs per node; must divide "
+    "shard_group_size": "HYBRID_SHARD, or fully_shard on a (replicate, shard) mesh: ranks per shard "
+                        "group, usually GPUs per node; must divide "
                          "the world size; default %(default)s",
+    "reduce_dtype": "FSDP mixed precision: the dtype gradients are reduced in (fp32 sums more "
+                    "exactly at twice the bytes); default: the --mixed-precision dtype",
     "reshard_after_forward": "fully_shard only: free gathered parameters after forward (gather again in "
                              "backward); default %(default)s",
     "auto_wrap": "FSDP units: block (one per model block), size (by --min-num-params), none (one "
@@ -161,8 +176,9 @@ def make_parser() -> argparse.ArgumentParser:
             kwargs.update(nargs="?", const="latest", metavar="auto|latest|PATH")
         elif isinstance(value, bool):
             kwargs["action"] = argparse.BooleanOptionalAction
-        elif f.name in CHOICES or f.name == "backend":
-            kwargs["choices"] = CHOICES.get(f.name, ("gloo", "nccl", "auto"))
+        elif f.name in CHOICES or f.name in ("backend", "reduce_dtype"):
+            kwargs["choices"] = CHOICES.get(f.name, {"backend": ("gloo", "nccl", "auto"),
+                                                     "reduce_dtype": vocab.MIXED_PRECISION}.get(f.name))
         else:
             kwargs["type"] = int if f.name == "shard_group_size" else (type(value) if value is not None else str)
             kwargs["metavar"] = {int: "N", float: "X"}.get(kwargs["type"], "DIR" if "dir" in f.name else "FILE")

@@ -5,7 +5,7 @@ import torch.distributed as dist
 
 from .. import models
 from ..collectives.meter import measure_bytes_sent
-from . import volume
+from . import parallel, volume
 from .hooks import Run, StepHook
 
 
@@ -52,6 +52,10 @@ def comm_report(run: Run, sent) -> dict:
         root, units = own.pop("", 0), list(own.values())
     theory = volume.step_bytes(cfg.strategy, dist.get_world_size(), units, root, cfg.sharding_strategy,
                                cfg.reshard_after_forward, cfg.shard_group_size)
+    dtypes = parallel.mixed_precision_dtypes(cfg) if cfg.strategy != "ddp" else None
+    if dtypes:  # FSDP mixed precision gathers in param_dtype and reduces in reduce_dtype
+        gather, reduce = (d.itemsize / itemsize for d in dtypes)
+        theory = {c: b * (gather if c == "all_gather" else reduce) for c, b in theory.items()}
     measured: dict[str, int] = {}
     for record in sent.records:
         if record.logical_sent:

@@ -26,16 +26,15 @@ def mixed_precision_dtypes(cfg: TrainConfig) -> tuple[torch.dtype, torch.dtype] 
     """(param_dtype, reduce_dtype) for FSDP1's ``MixedPrecision`` and FSDP2's
     ``MixedPrecisionPolicy`` alike, or None in fp32.
 
-    Gradients are reduced in the compute dtype (both APIs' default when reduce_dtype is left
-    out): half the bytes of fp32 on the wire, and what the memory ledger's "mixed" row counts
-    (2-byte unsharded gradients; the sharded gradient is then kept in fp32). Reducing in fp32
-    instead (``reduce_dtype=torch.float32``) sums more exactly at twice the bytes, plus a 4-byte
+    By default gradients are reduced in the compute dtype (both APIs' default when
+    reduce_dtype is left out): half the bytes of fp32 on the wire, and what the memory
+    ledger's "mixed" row counts (2-byte unsharded gradients; the sharded gradient is then kept
+    in fp32). ``cfg.reduce_dtype="fp32"`` sums more exactly at twice the bytes, plus a 4-byte
     copy of each unit's gradients before its reduce-scatter.
     """
     if cfg.mixed_precision == "fp32":
         return None
-    dtype = _DTYPES[cfg.mixed_precision]
-    return dtype, dtype
+    return _DTYPES[cfg.mixed_precision], _DTYPES[cfg.reduce_dtype or cfg.mixed_precision]
 
 
 def broadcast_module(model: nn.Module, src: int = 0, group=None) -> None:
@@ -101,7 +100,11 @@ def apply_fsdp2(model: nn.Module, device: torch.device, cfg: TrainConfig, block_
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    if cfg.shard_group_size is None:
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    else:  # HSDP: shard within each group, replicate across groups (FSDP1's HYBRID_SHARD)
+        shape = cfg.hybrid_mesh_shape(dist.get_world_size())
+        mesh = init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))
     kwargs = {"mesh": mesh, "reshard_after_forward": cfg.reshard_after_forward}
     dtypes = mixed_precision_dtypes(cfg)
     if dtypes:
@@ -126,7 +129,10 @@ def describe(model: nn.Module, cfg: TrainConfig) -> str:
         return f"DDP over {world} ranks (gradient_as_bucket_view={cfg.gradient_as_bucket_view})"
     if cfg.strategy == "fully_shard":
         units = sum(1 for m in model.modules() if type(m).__name__.startswith("FSDP"))
-        return (f"FSDP2 fully_shard over {world} ranks, {units} units, "
+        over = f"{world} ranks"
+        if cfg.shard_group_size is not None:
+            over = "a {} x {} mesh (replicate x shard)".format(*cfg.hybrid_mesh_shape(world))
+        return (f"FSDP2 fully_shard over {over}, {units} units, "
                 f"reshard_after_forward={cfg.reshard_after_forward}")
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 

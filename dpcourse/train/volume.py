@@ -40,7 +40,8 @@ def step_bytes(strategy: str, world_size: int, unit_bytes: list[int], root_bytes
     if strategy == "ddp" or (strategy == "fsdp" and sharding_strategy == "NO_SHARD"):
         return {"all_reduce": _ring("all_reduce", total, n)}
     group, replicas = n, 1
-    if strategy == "fsdp" and sharding_strategy == "HYBRID_SHARD":
+    if (strategy == "fsdp" and sharding_strategy == "HYBRID_SHARD"
+            or strategy == "fully_shard" and shard_group_size is not None):
         group = shard_group_size
         replicas = n // group
     reshard = reshard_after_forward if strategy == "fully_shard" else sharding_strategy != "SHARD_GRAD_OP"
