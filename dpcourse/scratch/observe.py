@@ -93,21 +93,19 @@ class BackwardObserver:
 
 
 def observe_ddp_communication(ddp_model, timeline) -> None:
-    """Register a comm hook on a torch DDP model: default all-reduce, spans recorded per bucket."""
-    group = dist.group.WORLD
+    """Register a comm hook on a torch DDP model: DDP's own default all-reduce
+    (``allreduce_hook``), with each bucket's span recorded."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     def hook(state, bucket):
-        tensor = bucket.buffer()
-        tensor.div_(dist.get_world_size(group))  # as the default allreduce_hook does
         start = time.perf_counter()
-        fut = dist.all_reduce(tensor, group=group, async_op=True).get_future()
-        index, nbytes = bucket.index(), tensor.numel() * tensor.element_size()
+        index, nbytes = bucket.index(), bucket.buffer().numel() * bucket.buffer().element_size()
 
         def done(f):
             timeline.add(COMM, "all_reduce", f"bucket {index}", start, nbytes=nbytes)
-            return f.value()[0]
+            return f.value()
 
-        return fut.then(done)
+        return allreduce_hook(state, bucket).then(done)
 
     ddp_model.register_comm_hook(None, hook)
 

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import statistics
 
-import torch.distributed as dist
-
 from ..collectives.cost import ring_all_reduce_seconds
 from .bucketed import assign_buckets
 from .experiment import train_steps
@@ -35,6 +33,7 @@ def torch_ddp_buckets(cfg, iterations: int = 2, bucket_cap_mb: float | None = No
     backward passes of ``cfg.model``, as lists of parameter names (bucket 0 first), seen
     by a comm hook that does what the default hook does. ``bucket_cap_mb=None``: DDP's
     defaults (25 MiB, and ``dist._DEFAULT_FIRST_BUCKET_BYTES`` for the first bucket)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from .. import models
@@ -47,8 +46,7 @@ def torch_ddp_buckets(cfg, iterations: int = 2, bucket_cap_mb: float | None = No
 
     def hook(state, bucket):
         seen[bucket.index()] = [names[p] for p in bucket.parameters()]
-        tensor = bucket.buffer().div_(dist.get_world_size())
-        return dist.all_reduce(tensor, async_op=True).get_future().then(lambda f: f.value()[0])
+        return allreduce_hook(state, bucket)  # what DDP does without a hook
 
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
               bucket_cap_mb=bucket_cap_mb)
