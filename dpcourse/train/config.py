@@ -111,7 +111,7 @@ HELP = {
                         "group, usually GPUs per node; must divide "
                          "the world size; default %(default)s",
     "reduce_dtype": "FSDP mixed precision: the dtype gradients are reduced in (fp32 sums more "
-                    "exactly at twice the bytes); default: the --mixed-precision dtype",
+                    "exactly at twice the bytes); default %(default)s (the --mixed-precision dtype)",
     "reshard_after_forward": "fully_shard only: free gathered parameters after forward (gather again in "
                              "backward); default %(default)s",
     "auto_wrap": "FSDP units: block (one per model block), size (by --min-num-params), none (one "
