@@ -6,14 +6,23 @@
 A ring all-reduce of n bytes over N ranks is 2(N-1) messages of n/N bytes, each costing
 alpha + (n/N)/beta (``cost.ring_all_reduce_seconds``): a straight line in n whose intercept
 gives alpha (seconds per message) and whose slope gives beta (bytes/s).
+
+The same model projects a step's communication onto named interconnects (``LINKS``, each
+figure with its source) and asks when it hides behind backward compute (``hiding_rows``):
+
+    rows = alpha_beta.hiding_rows([("NVLink 4, 8 GPUs", "ddp", 8, alpha_beta.LINKS["nvlink4"], {})])
 """
 from __future__ import annotations
 
+import math
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from .cost import bus_factor
 
 
 def time_all_reduce(sizes_bytes, repeats: int = 20) -> dict:
@@ -51,3 +60,120 @@ def fit_alpha_beta(seconds_by_bytes: dict, world_size: int) -> tuple[float, floa
     intercept = my - slope * mx
     steps = 2 * (world_size - 1)
     return max(intercept, 0.0) / steps, steps / world_size / slope
+
+
+# ---- Projection: the alpha-beta model on named interconnects, at the size of real models ----
+#
+# Each link is what one GPU sends on in a ring, one direction (bytes/s), and a latency per
+# ring step (message). Bandwidths are the vendors' peak figures, so real collectives are
+# slower (nccl-tests' busbw stays below them); latencies are the per-step hardware latencies
+# of NCCL's own cost model for a ring with its Simple protocol (src/graph/tuning.cc, hwLat;
+# NCCL adds a base latency per collective, 8.4 us in that table, left out here).
+
+
+@dataclass(frozen=True)
+class Link:
+    """An interconnect in the alpha-beta model: ``alpha`` seconds per ring step, ``beta``
+    bytes/s one rank sends (one direction); ``source`` says where both figures come from."""
+
+    name: str
+    alpha: float
+    beta: float
+    source: str
+
+
+LINKS = {
+    "pcie4": Link("PCIe 4.0 x16", 5.7e-6, 31.5e9,
+                  "PCI-SIG PCIe 4.0: 16 GT/s per lane, 128b/130b encoding -> 31.5 GB/s per direction "
+                  "for 16 lanes; alpha: NCCL tuning.cc hwLat, PCI, ring/Simple, 5.7 us"),
+    "nvlink4": Link("NVLink 4 (H100 SXM)", 3.4e-6, 450e9,
+                    "NVIDIA H100 datasheet: NVLink 900 GB/s per GPU, both directions together -> "
+                    "450 GB/s per direction; alpha: NCCL tuning.cc hwLat, NVLink, ring/Simple, 3.4 us"),
+    "ib_ndr": Link("InfiniBand NDR 400 Gb/s", 9.6e-6, 50e9,
+                   "NVIDIA ConnectX-7 / Quantum-2 NDR: 400 Gb/s = 50 GB/s per port and direction, one "
+                   "port per GPU as in a DGX H100; alpha: NCCL tuning.cc hwLat, NET, ring/Simple, 9.6 us"),
+}
+# Dense BF16 tensor-core peak of one H100 SXM, FLOP/s (its datasheet: 1,979 TFLOPS with sparsity).
+H100_BF16_FLOPS = 989e12
+# Parameters and blocks (FSDP units), rounded sizes with the depths of Llama 3.2 1B, Llama 2 7B, 70B.
+REFERENCE_MODELS = {"1B": (1e9, 16), "7B": (7e9, 32), "70B": (70e9, 80)}
+DDP_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb=25: one all-reduce per bucket
+_RING_STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1,
+               "reduce_scatter": lambda n: n - 1}
+
+
+def across_nodes(intra: Link, inter: Link, nodes: int, per_node: int) -> Link:
+    """One ring over ``nodes`` x ``per_node`` ranks: of its N-1 hops per pass, nodes-1 cross
+    ``inter`` and the rest stay on ``intra`` (NCCL's model weighs the latencies the same way);
+    the ring moves at ``inter``'s bandwidth, the slowest hop."""
+    n = nodes * per_node
+    alpha = ((n - nodes) * intra.alpha + (nodes - 1) * inter.alpha) / (n - 1)
+    return Link(f"{inter.name} across {nodes} nodes x {per_node} ({intra.name} inside)", alpha, inter.beta,
+                f"alpha: {n - nodes} of {n - 1} hops at {intra.name}'s, {nodes - 1} at {inter.name}'s")
+
+
+def collective_seconds(collective: str, nbytes: float, world_size: int, link: Link, calls: int = 1) -> float:
+    """Seconds of ``calls`` ring collectives that together move S = ``nbytes`` over
+    ``world_size`` ranks: calls x steps x alpha + bus_factor x S / beta."""
+    if world_size < 2:
+        return 0.0
+    latency = calls * _RING_STEPS[collective](world_size) * link.alpha
+    return latency + bus_factor(collective, world_size) * nbytes / link.beta
+
+
+def step_comm_seconds(strategy: str, param_bytes: float, world_size: int, link: Link, *, units: int = 1,
+                      shard_group_size: int | None = None, inter_link: Link | None = None) -> dict[str, float]:
+    """Seconds one step spends communicating, by collective (ring, alpha-beta).
+
+    strategy: "ddp", "SHARD_GRAD_OP", "FULL_SHARD" (FSDP2's ``fully_shard`` is the same) or
+    "HYBRID_SHARD": FULL_SHARD inside groups of ``shard_group_size`` ranks on ``link`` and an
+    all-reduce of each Ψ/F shard across the groups on ``inter_link``. param_bytes: Ψ, the
+    bytes of the gradients (= of the gathered parameters); units: collective calls per pass
+    (DDP's buckets, FSDP's units). The root unit's single gather is ignored (Ψ-sized models).
+    """
+    psi, n = param_bytes, world_size
+    if strategy == "ddp":
+        return {"all_reduce": collective_seconds("all_reduce", psi, n, link, units)}
+    if strategy == "SHARD_GRAD_OP":
+        return {"all_gather": collective_seconds("all_gather", psi, n, link, units),
+                "reduce_scatter": collective_seconds("reduce_scatter", psi, n, link, units)}
+    if strategy in ("FULL_SHARD", "fully_shard"):
+        return {"all_gather": collective_seconds("all_gather", 2 * psi, n, link, 2 * units),
+                "reduce_scatter": collective_seconds("reduce_scatter", psi, n, link, units)}
+    if strategy == "HYBRID_SHARD":
+        f = shard_group_size
+        if not f or n % f or inter_link is None:
+            raise ValueError(f"HYBRID_SHARD needs shard_group_size dividing world_size={n} (got {f}) "
+                             "and inter_link, the link between the groups (nodes)")
+        inside = step_comm_seconds("FULL_SHARD", psi, f, link, units=units)
+        across = collective_seconds("all_reduce", psi / f, n // f, inter_link, units)
+        return {**{f"{k} inside": v for k, v in inside.items()}, "all_reduce across": across}
+    raise ValueError(f"no projection for {strategy!r}; choose ddp, SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD")
+
+
+def backward_seconds(num_params: float, tokens: int, flops: float = H100_BF16_FLOPS, mfu: float = 0.4) -> float:
+    """Seconds of one rank's backward pass: 4 x params x tokens FLOPs (twice the forward's
+    2 x params x tokens) at ``mfu`` of ``flops`` (FLOP/s peak)."""
+    return 4 * num_params * tokens / (flops * mfu)
+
+
+def hiding_rows(setups, models=REFERENCE_MODELS, tokens: int = 4096, grad_bytes: int = 2,
+                flops: float = H100_BF16_FLOPS, mfu: float = 0.4) -> list[dict]:
+    """Can each strategy's communication hide behind backward? One row per model and setup.
+
+    setups: (label, strategy, world_size, link, options for ``step_comm_seconds``) tuples;
+    models: {name: (parameters, FSDP units)}; tokens per rank and step; grad_bytes: 2 for
+    bf16 gradients. ``min tokens`` is the smallest tokens per rank and step at which the
+    step's communication takes no longer than backward: comm time x tokens / backward time.
+    """
+    rows = []
+    for model, (params, blocks) in models.items():
+        psi = params * grad_bytes
+        compute = backward_seconds(params, tokens, flops, mfu)
+        for label, strategy, world, link, options in setups:
+            units = math.ceil(psi / DDP_BUCKET_BYTES) if strategy == "ddp" else blocks + 1
+            comm = sum(step_comm_seconds(strategy, psi, world, link, units=units, **options).values())
+            rows.append({"model": model, "setup": label, "strategy": strategy, "comm ms": round(comm * 1e3, 1),
+                         "backward ms": round(compute * 1e3, 1), "hides": comm <= compute,
+                         "min tokens": math.ceil(comm * tokens / compute)})
+    return rows

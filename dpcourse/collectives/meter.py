@@ -43,12 +43,14 @@ class CommRecord:
     """One c10d op a rank called: ``collective`` on ``nbytes`` (S, nccl-tests' size: the
     all_gather output, the reduce_scatter input, the message of a send) in a group of
     ``world_size``; ``logical_sent``: bytes a bandwidth-optimal algorithm sends from this
-    rank (None where that depends on more than S, e.g. gather and scatter)."""
+    rank (None where that depends on more than S, e.g. gather and scatter); ``group_ranks``:
+    the global ranks of the process group it ran on (HYBRID_SHARD uses two groups)."""
     op: str
     collective: str
     nbytes: int
     world_size: int
     logical_sent: int | None
+    group_ranks: tuple | None = None
 
 
 class C10dMeter(TorchDispatchMode):
@@ -67,7 +69,8 @@ class C10dMeter(TorchDispatchMode):
             nbytes = _nbytes(args[where]) if where is not None and len(args) > where else 0
             group = next((g for g in map(_process_group, args) if g is not None), None)
             n = group.size() if group is not None else dist.get_world_size()
-            self.records.append(CommRecord(name, collective, nbytes, n, _logical(collective, nbytes, n)))
+            ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else None
+            self.records.append(CommRecord(name, collective, nbytes, n, _logical(collective, nbytes, n), ranks))
         return func(*args, **kwargs)
 
     def logical_bytes_sent(self) -> int | None:

@@ -7,7 +7,7 @@
 from .config import ConfigError, TrainConfig, parse_args
 from .hooks import FullState, Run, StepHook, StepTimer
 from .measure import CommMeter
-from . import migrate, precision
+from . import compare, migrate, precision
 from .runner import build, main, train, train_single_process
 
 __all__ = ["CommMeter", "ConfigError", "FullState", "Run", "StepHook", "StepTimer", "TrainConfig", "build",

@@ -11,7 +11,8 @@ from .hooks import Run, StepHook
 
 class CommMeter(StepHook):
     """``metrics["comm"]``: bytes this rank sent in the measured step -- logical (per c10d op
-    PyTorch called, by collective) and on Gloo's wire -- next to ``volume.step_bytes``."""
+    PyTorch called, by collective, and by process group in ``by_group``) and on Gloo's wire --
+    next to ``volume.step_bytes``."""
 
     def start(self, run: Run) -> None:
         self.report = None
@@ -57,8 +58,13 @@ def comm_report(run: Run, sent) -> dict:
         gather, reduce = (d.itemsize / itemsize for d in dtypes)
         theory = {c: b * (gather if c == "all_gather" else reduce) for c, b in theory.items()}
     measured: dict[str, int] = {}
+    calls: dict[str, int] = {}  # how many of each collective the step launched
+    by_group: dict[tuple, dict[str, int]] = {}  # the same bytes, split by process group (its ranks)
     for record in sent.records:
         if record.logical_sent:
             measured[record.collective] = measured.get(record.collective, 0) + record.logical_sent
-    return {"param_bytes": root + sum(units), "theory": theory, "measured": measured,
-            "wire": sent.wire, "gloo_wire_theory": volume.gloo_wire_bytes(theory)}
+            calls[record.collective] = calls.get(record.collective, 0) + 1
+            group = by_group.setdefault(record.group_ranks, {})
+            group[record.collective] = group.get(record.collective, 0) + record.logical_sent
+    return {"param_bytes": root + sum(units), "root_bytes": root, "theory": theory, "measured": measured, "calls": calls,
+            "by_group": by_group, "wire": sent.wire, "gloo_wire_theory": volume.gloo_wire_bytes(theory)}
