@@ -21,6 +21,7 @@ STRATEGIES = [
     dict(strategy="fsdp", sharding_strategy="NO_SHARD"),
     dict(strategy="fully_shard", reshard_after_forward=True),
     dict(strategy="fully_shard", reshard_after_forward=False, auto_wrap="none"),
+    dict(strategy="fully_shard", auto_wrap="size", min_num_params=5000),  # units above a ModuleList
     dict(strategy="fsdp", model="transformer"),
     # a tied weight and a frozen one; every optimizer of the vocabulary once
     dict(strategy="fsdp", model="tied_transformer", optimizer="sgd_momentum"),

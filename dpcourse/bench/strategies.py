@@ -7,7 +7,10 @@ interleaved (strategy A, B, C, then A, B, C again) so machine load hits all alik
 steady figure is CPU time per step (median over steps >= 2 and rounds): on an
 oversubscribed CPU, wall time mostly measures waiting. Peak memory per rank comes from the
 memory ledger's measurement of one step; bytes per step are the logical bytes of the c10d
-ops PyTorch called and Gloo's wire bytes, next to the ring theory.
+ops PyTorch called and Gloo's wire bytes, next to the ring theory (at the run's dtypes).
+The auto-wrap rows show the units' effect (one unit: one all-gather, the whole model gathered
+at once; by size: units of at least ``min_num_params``); the bf16 rows FSDP's mixed precision
+(gathers in bf16; reductions in bf16, or in fp32 as the common recipe does).
 """
 from __future__ import annotations
 
@@ -27,6 +30,11 @@ ROWS = {
     "FSDP1 HYBRID_SHARD": dict(strategy="fsdp", sharding_strategy="HYBRID_SHARD", shard_group_size=2),
     "FSDP2 reshard": dict(strategy="fully_shard", reshard_after_forward=True),
     "FSDP2 no reshard": dict(strategy="fully_shard", reshard_after_forward=False),
+    "FSDP2 one unit": dict(strategy="fully_shard", auto_wrap="none"),
+    "FSDP2 units by size": dict(strategy="fully_shard", auto_wrap="size", min_num_params=50_000),
+    "FSDP1 bf16": dict(strategy="fsdp", mixed_precision="bf16"),
+    "FSDP2 bf16": dict(strategy="fully_shard", mixed_precision="bf16"),
+    "FSDP2 bf16, reduce fp32": dict(strategy="fully_shard", mixed_precision="bf16", reduce_dtype="fp32"),
 }
 
 
@@ -63,7 +71,7 @@ def main(args) -> int:
         base = statistics.median(cpu["DDP"])
         print(f"\nworld_size={world}, MLP with {psi / 4:,.0f} parameters (Ψ = {psi / 1e3:.0f} kB fp32), "
               f"{args.rounds} interleaved rounds")
-        header = ("strategy", "CPU ms/step", "vs DDP", "wall ms/step", "peak kB/rank",
+        header = ("strategy", "CPU ms/step", "vs DDP", "wall ms/step", "peak kB/rank", "all-gathers",
                   "logical kB sent", "theory kB", "Gloo wire kB", "wire theory kB")
         rows = []
         for name in names:
@@ -71,6 +79,7 @@ def main(args) -> int:
             med = statistics.median(cpu[name])
             rows.append((name, f"{med * 1e3:.2f}", f"x{med / base:.2f}",
                          f"{statistics.median(wall[name]) * 1e3:.2f}", _kb(peak[name]),
+                         str(c["calls"].get("all_gather", 0)),
                          _kb(sum(c["measured"].values())), _kb(sum(c["theory"].values())),
                          _kb(c["wire"]), _kb(c["gloo_wire_theory"])))
         widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]

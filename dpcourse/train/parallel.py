@@ -110,12 +110,18 @@ def apply_fsdp2(model: nn.Module, device: torch.device, cfg: TrainConfig, block_
     if dtypes:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtypes[0], reduce_dtype=dtypes[1])
     if cfg.auto_wrap != "none":
-        for module in model.modules():
-            is_unit = (isinstance(module, tuple(block_classes)) if cfg.auto_wrap == "block" else
-                       sum(p.numel() for p in module.parameters()) >= cfg.min_num_params
-                       and module is not model)
-            if is_unit:
+        # Children before parents, as fully_shard requires. By size, like FSDP1's
+        # size_based_auto_wrap_policy: a module whose parameters not yet in a unit reach
+        # min_num_params; containers without a forward (ModuleList) cannot be units.
+        in_units: set[int] = set()
+        for module in reversed(list(model.modules())):
+            if module is model or type(module).forward is nn.Module.forward:
+                continue
+            own = sum(p.numel() for p in module.parameters() if id(p) not in in_units)
+            if (isinstance(module, tuple(block_classes)) if cfg.auto_wrap == "block"
+                    else own >= cfg.min_num_params):
                 fully_shard(module, **kwargs)
+                in_units.update(id(p) for p in module.parameters())  # now DTensor shards
     # None lets FSDP2 keep the root gathered after forward (backward needs it at once), as
     # FSDP1 does; an explicit True would free it and all-gather it again.
     fully_shard(model, **{**kwargs, "reshard_after_forward": None if cfg.reshard_after_forward else False})
