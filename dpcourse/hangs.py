@@ -34,6 +34,7 @@ import datetime
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -153,13 +154,19 @@ def torchrun(demo: str, *args: str, env: dict | None = None, nproc: int = 2, tim
     return proc.returncode, output.splitlines()
 
 
+def py_spy_path() -> str | None:
+    """The py-spy program: beside this Python first (where pip puts it, on PATH or not, as in
+    a virtual environment used without activating it), else on PATH; None if neither."""
+    beside = os.path.join(os.path.dirname(sys.executable), "py-spy")
+    return beside if os.access(beside, os.X_OK) else shutil.which("py-spy")
+
+
 def py_spy_dump(pid: int, timeout: float = 30.0) -> str:
     """``py-spy dump --pid pid``: the Python stack of every thread of a running process."""
-    try:
-        done = subprocess.run(["py-spy", "dump", "--pid", str(pid)], capture_output=True, text=True,
-                              timeout=timeout)
-    except FileNotFoundError:
+    tool = py_spy_path()
+    if tool is None:
         return "py-spy is not installed: pip install py-spy (or use faulthandler, see dpc.hangs)"
+    done = subprocess.run([tool, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=timeout)
     return re.sub(r"\x1b\[[0-9;]*m", "", done.stdout + done.stderr)  # py-spy colours a terminal's output
 
 

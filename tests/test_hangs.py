@@ -4,7 +4,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import shutil
 
 import pytest
 import torch
@@ -49,8 +48,8 @@ def test_the_process_group_timeout_and_the_flight_recorder(cluster2, tmp_path):
     assert cluster2.run(lambda: os.environ.get("TORCH_FR_BUFFER_SIZE")) == [None, None]  # env restored
 
 
-@pytest.mark.skipif(shutil.which("py-spy") is None, reason="py-spy not installed (pip install py-spy)")
 def test_py_spy_dump_shows_where_each_rank_is_stuck(cluster2):
+    assert hangs.py_spy_path(), "py-spy is a dev dependency: pip install -e '.[dev]'"
     dumps, err = hangs.dump_stacks_during(
         lambda: cluster2.run(hangs.mismatched_collectives, "op", timeout=6), cluster2.pids, after=1.5)
     assert isinstance(err, dpc.RankTimeout)
