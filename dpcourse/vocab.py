@@ -45,6 +45,15 @@ ZERO_STAGES = {
 # the three wrappers' layouts, the ZeRO stages and FSDP1's strategies by their own names.
 LEDGER_STRATEGIES = ("dp", "ddp", *ZERO_STAGES, *SHARDING_STRATEGIES, "fully_shard")
 
+# The training runner's options (``dpc.train.TrainConfig``) for each ledger strategy it trains:
+# FSDP1 under ShardingStrategy's names, FSDP2 as fully_shard. HYBRID_SHARD also needs a
+# shard_group_size that divides the world size.
+TRAIN_OPTIONS = {
+    "ddp": {"strategy": "ddp"},
+    **{name: {"strategy": "fsdp", "sharding_strategy": name} for name in SHARDING_STRATEGIES},
+    "fully_shard": {"strategy": "fully_shard"},
+}
+
 AUTO_WRAP = ("block", "size", "none")  # one FSDP unit per model block | by min_num_params | one unit
 MIXED_PRECISION = ("fp32", "bf16", "fp16")
 PRECISIONS = ("fp32", "mixed", "autocast")

@@ -98,3 +98,10 @@ def test_the_calculator_offers_the_ledgers_names():
     assert tuple(calc.optimizer.options) == tuple(vocab.OPTIMIZERS)
     assert set(calc.precision.options) <= set(vocab.PRECISIONS)
     assert calc.shard_group_size.description == "shard_group_size"
+
+
+def test_every_trained_strategy_is_a_ledger_strategy_the_runner_accepts():
+    assert set(vocab.TRAIN_OPTIONS) <= set(vocab.LEDGER_STRATEGIES)
+    for name, options in vocab.TRAIN_OPTIONS.items():
+        group = {"shard_group_size": 2} if name == "HYBRID_SHARD" else {}
+        TrainConfig(**options, **group).validate(world_size=4, device_type="cpu")

@@ -19,15 +19,14 @@ import statistics
 from ..memory.probe import MemoryProbe
 from ..pool import Cluster
 from ..train import CommMeter, StepTimer, TrainConfig, train
+from ..vocab import TRAIN_OPTIONS
 
 HELP = "DDP vs FSDP strategies and FSDP2: CPU time per step, peak memory, bytes per step"
 
 ROWS = {
-    "DDP": dict(strategy="ddp"),
-    "FSDP1 NO_SHARD": dict(strategy="fsdp", sharding_strategy="NO_SHARD"),
-    "FSDP1 SHARD_GRAD_OP": dict(strategy="fsdp", sharding_strategy="SHARD_GRAD_OP"),
-    "FSDP1 FULL_SHARD": dict(strategy="fsdp", sharding_strategy="FULL_SHARD"),
-    "FSDP1 HYBRID_SHARD": dict(strategy="fsdp", sharding_strategy="HYBRID_SHARD", shard_group_size=2),
+    "DDP": TRAIN_OPTIONS["ddp"],
+    **{f"FSDP1 {s}": TRAIN_OPTIONS[s] for s in ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD")},
+    "FSDP1 HYBRID_SHARD": dict(TRAIN_OPTIONS["HYBRID_SHARD"], shard_group_size=2),
     "FSDP2 reshard": dict(strategy="fully_shard", reshard_after_forward=True),
     "FSDP2 no reshard": dict(strategy="fully_shard", reshard_after_forward=False),
     "FSDP2 one unit": dict(strategy="fully_shard", auto_wrap="none"),

@@ -25,17 +25,18 @@ import io
 import tokenize
 from dataclasses import dataclass, field
 
+from ..vocab import TRAIN_OPTIONS
 from .config import TrainConfig
 from .hooks import StepTimer
 from .measure import CommMeter
 
 # The compared runs (vocabulary names); HYBRID_SHARD needs world_size = 2 x shard_group_size.
 STEP_RUNS = {
-    "DDP": dict(strategy="ddp"),
-    "SHARD_GRAD_OP": dict(strategy="fsdp", sharding_strategy="SHARD_GRAD_OP"),
-    "FULL_SHARD": dict(strategy="fsdp", sharding_strategy="FULL_SHARD"),
-    "HYBRID_SHARD": dict(strategy="fsdp", sharding_strategy="HYBRID_SHARD", shard_group_size=2),
-    "fully_shard": dict(strategy="fully_shard"),
+    "DDP": TRAIN_OPTIONS["ddp"],
+    "SHARD_GRAD_OP": TRAIN_OPTIONS["SHARD_GRAD_OP"],
+    "FULL_SHARD": TRAIN_OPTIONS["FULL_SHARD"],
+    "HYBRID_SHARD": dict(TRAIN_OPTIONS["HYBRID_SHARD"], shard_group_size=2),
+    "fully_shard": TRAIN_OPTIONS["fully_shard"],
 }
 COMMON = dict(model="mlp", optimizer="adamw", steps=6, batch_size=8, num_samples=256, progress=False)
 # What each strategy sends per step in the textbook's round numbers (x Ψ, ignoring (N-1)/N).
