@@ -52,7 +52,7 @@ class Call:
                 self._fail(RankTimeout)
             self.cluster._memory.sample([self.gen.pids[r] for r in self.pending])
             wait_s = 0.05 if self.first_failure else 0.1
-            for rank, msg in self.cluster._poll(self.gen, self.pending, wait_s):
+            for rank, msg in self.cluster._link.poll(self.gen, self.pending, wait_s):
                 self.pending.discard(rank)
                 self.reports[rank] = self._report(rank, msg)
                 if self.reports[rank].state != "finished" and self.first_failure is None:
@@ -65,8 +65,8 @@ class Call:
         """What a rank's reply (None: the rank died) says; notes a destroyed process group."""
         cluster = self.cluster
         if msg is None:
-            return RankReport(rank, "died", cluster._exit_text(self.gen, rank),
-                              cluster._crash_log(self.gen, rank))
+            return RankReport(rank, "died", cluster._link.exit_text(self.gen, rank),
+                              cluster._link.crash_log(self.gen, rank))
         if not msg[-1]:  # the last item of every reply: is the pool's process group intact?
             cluster._group_lost.add(rank)
         if msg[0] == "ok":
@@ -91,7 +91,7 @@ class Call:
         while len(found) < len(pending) and time.monotonic() < deadline:
             for conn in readable([gen.control[r] for r in pending if r not in found], 0.05):
                 rank = gen.control.index(conn)
-                status = self.cluster._pump_control(gen, rank)
+                status = self.cluster._link.pump_control(gen, rank)
                 if status is not None:
                     found[rank] = RankReport(rank, "running", status["collective"], status["stack"])
         for rank in pending:
@@ -124,7 +124,7 @@ class Call:
             cluster._launcher.signal([gen.pids[r] for r in pending], signal.SIGINT)
             deadline = time.monotonic() + INTERRUPT_GRACE_S
             while pending and time.monotonic() < deadline:
-                for rank, _ in cluster._poll(gen, set(pending), 0.05):
+                for rank, _ in cluster._link.poll(gen, set(pending), 0.05):
                     pending.discard(rank)
             notes = [where[r].describe(with_trace=False) for r in sorted(where)]
             if pending:

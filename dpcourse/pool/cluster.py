@@ -20,12 +20,12 @@ import time
 import weakref
 
 from ..backends import BackendError, choose_backend
-from . import wire
+from . import health, wire
 from .call import Call
 from .errors import ClusterError
+from .link import RankLink
 from .output import RankPrinter
-from .procs import (Generation, LauncherProcess, MemoryWatch, check_port, describe_exit, free_ports,
-                    readable)
+from .procs import Generation, LauncherProcess, MemoryWatch, check_port, free_ports, readable
 
 _DEFAULT = object()
 _current: weakref.ref | None = None
@@ -68,7 +68,7 @@ class Cluster:
         self.default_timeout = timeout
         self._master_port, self._env = master_port, dict(env or {})
         self._start_timeout = start_timeout
-        self._printer = RankPrinter()
+        self._printer = RankPrinter(world_size)
         self._sent_sources: set[str] = set()
         self._run_id = 0
         self._gen: Generation | None = None
@@ -77,6 +77,7 @@ class Cluster:
         self.closed = False
         self._crash_dir = tempfile.mkdtemp(prefix="dpcourse-")
         self._launcher = LauncherProcess(start_timeout)
+        self._link = RankLink(self._launcher, self._printer, self._memory, self._crash_dir)
         self._finalizer = weakref.finalize(self, _close, self._launcher, self._crash_dir)
         try:
             self._start_ranks()
@@ -86,6 +87,8 @@ class Cluster:
         _current = weakref.ref(self)
 
     # --- public surface ------------------------------------------------------------
+    status = health.status  # cluster.status(): a ClusterStatus snapshot, no call to the ranks
+
     @property
     def pids(self) -> list[int]:
         """Process IDs of the current ranks, by rank."""
@@ -193,15 +196,6 @@ class Cluster:
                 "env": {**os.environ, **self._env}, "num_threads": self.num_threads,
                 "crash_log": os.path.join(self._crash_dir, f"generation{number}-rank{{rank}}.log")}
 
-    def _crash_log(self, gen: Generation, rank: int) -> str:
-        """What faulthandler wrote when the rank crashed (a segfault's Python stack), if anything."""
-        path = os.path.join(self._crash_dir, f"generation{gen.number}-rank{rank}.log")
-        try:
-            with open(path, errors="replace") as f:
-                return f.read()[-4000:]
-        except OSError:
-            return ""
-
     def _start_ranks(self, attempts: int = 3) -> None:
         for attempt in range(attempts):
             self._restart(kill=False)
@@ -228,10 +222,10 @@ class Cluster:
         waiting, errors = set(range(self.world_size)), {}
         deadline = time.monotonic() + self._start_timeout
         while waiting and time.monotonic() < deadline:
-            for rank, msg in self._poll(gen, waiting, 0.1):
+            for rank, msg in self._link.poll(gen, waiting, 0.1):
                 waiting.discard(rank)
                 if msg is None:
-                    errors[rank] = f"rank {rank} {self._exit_text(gen, rank)} while starting"
+                    errors[rank] = f"rank {rank} {self._link.exit_text(gen, rank)} while starting"
                 elif msg[0] == "init_error":
                     errors[rank] = f"rank {rank} failed to start:\n{msg[2]}"
         self._printer.flush()
@@ -252,7 +246,7 @@ class Cluster:
             dead = [r for r, c in enumerate(self._gen.task)
                     if readable([c], 0) or self._gen.pids[r] in self._launcher.exited]
             if dead:
-                texts = [f"rank {r} {self._exit_text(self._gen, r)}" for r in dead]
+                texts = [f"rank {r} {self._link.exit_text(self._gen, r)}" for r in dead]
                 print(f"dpcourse: {'; '.join(texts)} since the last call; restarting the ranks.",
                       file=sys.stderr)
                 self._restart()
@@ -278,49 +272,6 @@ class Cluster:
               "re-initialised it (destroy_process_group belongs in scripts: cluster.run_script).",
               file=sys.stderr)
 
-    def _exit_text(self, gen: Generation, rank: int, wait_s: float = 0.5) -> str:
-        pid = gen.pids[rank]
-        deadline = time.monotonic() + wait_s
-        while pid not in self._launcher.exited and time.monotonic() < deadline:
-            if self._launcher.conn.poll(0.02):
-                self._launcher.poll_one()
-        status = self._launcher.exited.get(pid)
-        return describe_exit(status) + f" (pid {pid})" + self._memory.kill_hint(pid, status)
-
-    # --- talking to the ranks (used by Call) --------------------------------------------
-    def _poll(self, gen: Generation, pending: set[int], timeout: float):
-        """Show rank output; yield (rank, message or None if the rank died) from pending ranks."""
-        tasks = {gen.task[r]: r for r in pending}
-        controls = {c: r for r, c in enumerate(gen.control)}
-        ready = readable(list(tasks) + list(controls) + [self._launcher.conn], timeout)
-        for conn in ready:
-            if conn in controls:
-                self._pump_control(gen, controls[conn])
-            elif conn is self._launcher.conn:
-                self._launcher.poll_one()
-        for conn in ready:
-            if conn in tasks:
-                rank = tasks[conn]
-                self._pump_control(gen, rank)  # output written before the reply comes first
-                try:
-                    yield rank, conn.recv()
-                except (EOFError, OSError):
-                    yield rank, None
-        self._printer.tick()
-
-    def _pump_control(self, gen: Generation, rank: int):
-        conn, status = gen.control[rank], None
-        try:
-            while conn.poll(0):
-                msg = conn.recv()
-                if msg[0] == "out":
-                    self._printer.feed(rank, msg[1], msg[2])
-                elif msg[0] == "status":
-                    status = msg[1]
-        except (EOFError, OSError):
-            pass
-        return status
-
     def _call(self, kind: str, call: bytes, timeout):
         __tracebackhide__ = True
         timeout = self.default_timeout if timeout is _DEFAULT else timeout
@@ -329,4 +280,4 @@ class Cluster:
         sources = wire.notebook_sources(self._sent_sources)
         message = wire.dumps((kind, self._run_id, (sources, call)))
         self._sent_sources.update(sources)
-        return Call(self, timeout).run(message)
+        return health.track(self, Call(self, timeout), message)

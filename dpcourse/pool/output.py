@@ -32,19 +32,36 @@ def collapse_carriage_returns(line: str) -> str:
     return line.rstrip("\r").rsplit("\r", 1)[-1]
 
 
+# One colour per rank, the drawings' own (matplotlib's tab10, as ``dpcourse.viz.colors``; the
+# pool imports no drawing code, so the values are repeated here and a test keeps them equal).
+RANK_RGB = ((31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189),
+            (140, 86, 75), (227, 119, 194), (127, 127, 127), (188, 189, 34), (23, 190, 207))
+
+
 class RankPrinter:
-    """Buffers partial lines per (rank, stream) and prints complete ones with a label."""
+    """Buffers partial lines per (rank, stream) and prints complete ones with a label.
+
+    Labels line up whatever the world size ("[rank  3]" next to "[rank 12]"). In a Jupyter
+    kernel each line also starts with a bar in the rank's colour, so the lines of 4-8 ranks
+    printing at once can be told apart at a glance; the label itself stays plain text.
+    """
 
     REFRESH_S = 0.1  # at most ten progress redraws per second per rank
 
-    def __init__(self):
+    def __init__(self, world_size: int = 1, color: bool | None = None):
         self.partial: dict[tuple[int, str], str] = {}
         self.bars: dict[tuple[int, str], list] = {}  # key -> [handle, text shown, time, pending]
         self.live = _in_ipykernel()
+        self.color = self.live if color is None else color
+        self.width = len(str(max(world_size - 1, 0)))
 
-    @staticmethod
-    def label(rank: int) -> str:
-        return f"[rank {rank}] "
+    def label(self, rank: int) -> str:
+        """"[rank 3] ", padded to the widest rank number, after a coloured bar if ``color``."""
+        text = f"[rank {rank:>{self.width}}] "
+        if not self.color:
+            return text
+        r, g, b = RANK_RGB[rank % len(RANK_RGB)]
+        return f"\x1b[38;2;{r};{g};{b}m\u258c\x1b[0m{text}"  # U+258C: a left half block
 
     def feed(self, rank: int, stream: str, text: str) -> None:
         key = (rank, stream)

@@ -1,0 +1,74 @@
+"""The kernel's end of one generation of ranks: their replies, their output, how they ended.
+
+``Cluster`` and ``Call`` read every rank through one ``RankLink``: ``poll`` yields replies
+while showing each rank's output as it arrives; ``pump_control`` drains a rank's control
+channel (output lines, status answers); ``exit_text`` and ``crash_log`` say how a dead rank
+ended.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+from .output import RankPrinter
+from .procs import Generation, LauncherProcess, MemoryWatch, describe_exit, readable
+
+
+class RankLink:
+    """Reads the ranks of a generation for the kernel (replies, output, exits)."""
+
+    def __init__(self, launcher: LauncherProcess, printer: RankPrinter, memory: MemoryWatch, crash_dir: str):
+        self.launcher, self.printer, self.memory, self.crash_dir = launcher, printer, memory, crash_dir
+
+    def poll(self, gen: Generation, pending: set[int], timeout: float):
+        """Show rank output; yield (rank, message or None if the rank died) from pending ranks."""
+        tasks = {gen.task[r]: r for r in pending}
+        controls = {c: r for r, c in enumerate(gen.control)}
+        ready = readable(list(tasks) + list(controls) + [self.launcher.conn], timeout)
+        for conn in ready:
+            if conn in controls:
+                self.pump_control(gen, controls[conn])
+            elif conn is self.launcher.conn:
+                self.launcher.poll_one()
+        for conn in ready:
+            if conn in tasks:
+                rank = tasks[conn]
+                self.pump_control(gen, rank)  # output written before the reply comes first
+                try:
+                    yield rank, conn.recv()
+                except (EOFError, OSError):
+                    yield rank, None
+        self.printer.tick()
+
+    def pump_control(self, gen: Generation, rank: int):
+        """Show what rank ``rank`` printed; return its status answer if one came, else None."""
+        conn, status = gen.control[rank], None
+        try:
+            while conn.poll(0):
+                msg = conn.recv()
+                if msg[0] == "out":
+                    self.printer.feed(rank, msg[1], msg[2])
+                elif msg[0] == "status":
+                    status = msg[1]
+        except (EOFError, OSError):
+            pass
+        return status
+
+    def exit_text(self, gen: Generation, rank: int, wait_s: float = 0.5) -> str:
+        """How a dead rank ended, e.g. 'was killed by SIGKILL (pid 123)' plus an OOM hint."""
+        pid = gen.pids[rank]
+        deadline = time.monotonic() + wait_s
+        while pid not in self.launcher.exited and time.monotonic() < deadline:
+            if self.launcher.conn.poll(0.02):
+                self.launcher.poll_one()
+        status = self.launcher.exited.get(pid)
+        return describe_exit(status) + f" (pid {pid})" + self.memory.kill_hint(pid, status)
+
+    def crash_log(self, gen: Generation, rank: int) -> str:
+        """What faulthandler wrote when the rank crashed (a segfault's Python stack), if anything."""
+        path = os.path.join(self.crash_dir, f"generation{gen.number}-rank{rank}.log")
+        try:
+            with open(path, errors="replace") as f:
+                return f.read()[-4000:]
+        except OSError:
+            return ""
