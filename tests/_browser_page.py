@@ -7,6 +7,7 @@ names; the widgets themselves are found and moved the way a learner does, in the
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -125,7 +126,13 @@ class NotebookPage:
         return self.page.locator(f'[data-test-cell="{key}"] .jp-Cell-outputArea')
 
     def widget_text(self, marker: str) -> str:
-        return self.cell(marker).inner_text()
+        """The text under the cell with ``marker``, scrolled to first: a cell far from the view
+        is not laid out (content-visibility), and its text then reads as empty."""
+        area = self.cell(marker)
+        if not area.inner_text():
+            area.scroll_into_view_if_needed()
+            self.page.wait_for_timeout(300)  # laid out on the next frames
+        return area.inner_text()
 
     def image_bytes(self, marker: str) -> bytes:
         """The bytes of the last image shown under the cell with ``marker`` (b'' if none)."""
@@ -144,6 +151,21 @@ class NotebookPage:
         handle.click()
         for _ in range(presses):
             handle.press("ArrowRight")
+
+    def click_button(self, marker: str, description: str) -> None:
+        """Click the button labelled exactly ``description`` under the cell with ``marker``
+        (by its text: an icon's glyph is part of the button's accessible name)."""
+        exact = re.compile(rf"^\s*{re.escape(description)}\s*$")
+        self.cell(marker).locator("button").filter(has_text=exact).click()
+
+    def image_widths(self, marker: str) -> tuple[int, int]:
+        """(natural, shown) width in pixels of the last image under the cell with ``marker``."""
+        self.cell(marker)
+        key = "".join(ch for ch in marker if ch.isalnum())
+        return tuple(self.page.evaluate("""(key) => {
+            const imgs = document.querySelectorAll(`[data-test-cell="${key}"] .jp-Cell-outputArea img`);
+            const img = imgs[imgs.length - 1];
+            return img ? [img.naturalWidth, Math.round(img.getBoundingClientRect().width)] : [0, 0];}""", key))
 
     def select_option(self, marker: str, description: str, label: str) -> None:
         box = self.cell(marker).locator(".widget-dropdown").filter(

@@ -39,7 +39,9 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
 LOCAL_HOSTS = {"127.0.0.1", "localhost"}
 FIGURES = ["draw_bucket_sweep(", "plot_bars("]  # figures whose screenshots are kept for a look
 # the interactive widgets each notebook must have, so their checks below can never be skipped
-MOVED = {"4.1-data-parallelism-in-depth.ipynb": ["RingPlayer(", "LedgerPlayer(", "MemoryCalculator("]}
+MOVED = {"4.1-data-parallelism-in-depth.ipynb": ["RingPlayer(", "LedgerPlayer(", "MemoryCalculator(",
+                                                 "bucket_panel("],
+         "4.2-pytorch-data-parallelism-in-practice.ipynb": ["cluster_status("]}
 TOKEN = "browser-test"
 # no news, no update checks: nothing in JupyterLab itself may reach out of this machine
 SETTINGS = {"@jupyterlab/apputils-extension/notification.jupyterlab-settings":
@@ -185,6 +187,10 @@ def test_notebook_runs_in_the_browser(lab, browser, name):
             _check_slider_redraws(nb, "LedgerPlayer(")
         if "MemoryCalculator(" in nb.sources():
             _check_calculator(nb)
+        if "bucket_panel(" in nb.sources():
+            _check_panel(nb, "bucket_panel(")
+        if "cluster_status(" in nb.sources():
+            _check_status(nb)
         nb.screenshot_widgets(ARTIFACTS / f"{stem}-moved")
         for marker in FIGURES:
             if marker in nb.sources():
@@ -234,3 +240,34 @@ def _check_calculator(nb) -> None:
     nb.fill_number(marker, "world_size", "1")
     nb.wait_until(lambda: nb.widget_text(marker) != before, 30, "the calculator did not react")
     assert "does not fit with any strategy" in nb.widget_text(marker)
+
+
+def _check_panel(nb, marker: str) -> None:
+    """After Run All the notebook's cluster is shut down: Run says so instead of freezing, the
+    recover button starts a fresh cluster and draws; moving a control and Run redraws, at the
+    picture's natural size."""
+    def text():
+        return nb.widget_text(marker)
+
+    nb.click_button(marker, "Run")
+    nb.wait_until(lambda: "was shut down" in text(), 60, "Run on the shut-down cluster said nothing")
+    nb.click_button(marker, "start a fresh cluster")
+    nb.wait_until(lambda: "done on 2 ranks" in text() or "Error" in text(), 180,
+                  "the panel never finished its run on a fresh cluster")
+    assert "Error" not in text(), text()
+    first = _image_digest(nb, marker)
+    assert first, f"no picture under {marker} after its run"
+    natural, shown = nb.image_widths(marker)
+    assert natural > 0 and shown == natural, f"{marker}: picture {natural} px wide shown at {shown} px"
+    nb.move_slider(marker)
+    nb.click_button(marker, "Run")
+    nb.wait_until(lambda: _image_digest(nb, marker) not in ("", first) and "done on 2 ranks" in text(),
+                  180, f"Run of {marker} did not redraw its picture")
+    assert "Error" not in text(), text()
+
+
+def _check_status(nb) -> None:
+    marker = "cluster_status("
+    nb.wait_until(lambda: "alive" in nb.widget_text(marker), 30, "the status widget shows no ranks")
+    nb.click_button(marker, "Refresh")  # after Run All: the notebook's cluster is shut down
+    nb.wait_until(lambda: "shut down" in nb.widget_text(marker), 30, "the status widget did not refresh")

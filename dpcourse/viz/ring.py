@@ -13,6 +13,7 @@ import io
 import math
 
 from .colors import EMPTY, rank_color
+from .panel import ErrorView
 
 
 _BLOCK_W, _BLOCK_H = 0.8, 0.4  # a rank's block of chunks, in data units
@@ -171,8 +172,8 @@ class RingPlayer:
         self.world_size = w.Dropdown(options=list(world_sizes), value=world_size, description="N")
         self.numel = w.Dropdown(options=list(numels), value=numel, description="numel")
         self.image = w.Image(format="png")
-        self.status = w.HTML()
-        self.errors = w.Output()  # a failed re-run's traceback, shown under the controls
+        self.view = ErrorView()  # a failed re-run's report, shown under the controls
+        self.status, self.errors = self.view.status, self.view.errors
         self.widget = w.VBox([w.HBox([self.play, self.slider]),
                               w.HBox([self.world_size, self.numel]), self.status, self.errors,
                               self.image])
@@ -185,16 +186,12 @@ class RingPlayer:
     def changed(self) -> None:
         """N or numel changed (a widget callback): re-run, and show any error in the widget,
         since an exception raised in a callback reaches only the server's log."""
-        import traceback
-
-        self.errors.outputs = ()  # (clear_output only works while a kernel captures it)
+        self.view.clear()
         try:
             self.rerun()
         except Exception as err:  # noqa: BLE001 -- shown to the learner, nothing is lost
             shown = "the previous trace" if self.trace is not None else "nothing"
-            self.status.value = (f"<b style='color:#b00'>{type(err).__name__}: {err}</b> "
-                                 f"(still showing {shown}; change N or numel to try again)")
-            self.errors.append_stderr(traceback.format_exc())
+            self.view.show(err, f"still showing {shown}; change N or numel to try again")
 
     def rerun(self) -> None:
         """Record a new trace for the chosen N and size; show its first frame."""
