@@ -88,7 +88,8 @@ class NotebookPage:
               for (let i = 0; i < c.model.outputs.length; i++) {
                 const o = c.model.outputs.get(i).toJSON();
                 if (o.output_type === 'error')
-                  found.push(`${o.ename}: ${o.evalue} (cell: ${c.model.sharedModel.getSource().split('\\n')[0]})`);
+                  found.push(`${o.ename}: ${o.evalue} (cell: ${c.model.sharedModel.getSource().split('\\n')[0]})\\n`
+                             + (o.traceback || []).slice(-4).join('\\n').replace(/\\x1b\\[[0-9;]*m/g, ''));
               }
             }
             return found;""")
