@@ -59,8 +59,9 @@ def install(directory: str, rank: int) -> None:
 
     @functools.wraps(destroy)
     def observed_destroy(*args, **kwargs):
-        note("destroy")
-        return destroy(*args, **kwargs)
+        result = destroy(*args, **kwargs)
+        note("destroy")  # once it has returned: this rank's distributed work is over
+        return result
 
     dist.destroy_process_group = observed_destroy
     dist.distributed_c10d.destroy_process_group = observed_destroy
