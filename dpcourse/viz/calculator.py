@@ -55,7 +55,7 @@ class MemoryCalculator:
     def __init__(self, **values):
         import ipywidgets as w
 
-        style = {"description_width": "110px"}
+        style = {"description_width": "130px"}
         self.mode = w.ToggleButtons(options=["parameters", "transformer shape"], value="parameters")
         self.billions = w.FloatText(value=7.5, description="params (10⁹)", style=style)
         self.num_units = w.IntText(value=32, description="FSDP units", style=style)
