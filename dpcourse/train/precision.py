@@ -18,8 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .config import TrainConfig
-
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from .parallel import _DTYPES  # the runner's name -> dtype table
 
 
 def reduction_error(numel: int = 1 << 16, seed: int = 0, grad_dtype: str = "bf16",
