@@ -11,6 +11,13 @@ functions can call ``dist.all_reduce`` at once. Two kinds of learner code disagr
   that says what to do instead of PyTorch's "initialize the default process group twice";
   one that destroys the group is reported to the kernel, which re-initialises it on every
   rank before the next call.
+
+A script's groups are kept alive until the script has returned. PyTorch 2.13 can deadlock
+otherwise: when a script ends, DDP's C++ Reducer may drop the last reference to a Gloo
+group while holding the GIL, and the group's destructor then waits for a Gloo worker
+thread that is itself waiting for the GIL to free a finished collective's tensors (seen
+about once in ten ``train_ddp`` runs on 2 busy cores). Dropped here, after the script, a
+group is freed through its Python object, whose destructor releases the GIL first.
 """
 from __future__ import annotations
 
@@ -39,6 +46,7 @@ class PoolGroup:
     def __init__(self, backend: str, rank: int, world_size: int):
         self.backend, self.rank, self.world_size = backend, rank, world_size
         self.scripts_running = 0  # > 0 while a script owns init/destroy
+        self.retired = []  # the groups a running script destroyed: freed after it returns
 
     def init(self, port: int) -> None:
         """Join the pool's group (collective: every rank calls it with the same port)."""
@@ -56,13 +64,15 @@ class PoolGroup:
                                 device_id=device_id)
 
     def guard_init(self) -> None:
-        """Make ``init_process_group`` explain itself when the pool's group already exists."""
+        """Make ``init_process_group`` explain itself when the pool's group already exists,
+        and keep the groups a script destroys alive until the script has returned."""
         import torch.distributed as dist
         import torch.distributed.distributed_c10d as c10d
 
         original = c10d.init_process_group
         if getattr(original, "_dpcourse_guard", False):
             return
+        original_destroy = c10d.destroy_process_group
 
         def init_process_group(*args, **kwargs):
             if self.scripts_running == 0 and dist.is_initialized():
@@ -70,9 +80,19 @@ class PoolGroup:
                     backend=dist.get_backend(), world_size=dist.get_world_size()))
             return original(*args, **kwargs)
 
-        init_process_group.__doc__ = original.__doc__
-        init_process_group._dpcourse_guard = True
+        def destroy_process_group(group=None):
+            if self.scripts_running and dist.is_initialized():
+                if group is None or group == c10d.GroupMember.WORLD:
+                    self.retired.extend(c10d._world.pg_map)  # the default group and every subgroup
+                else:
+                    self.retired.append(group)
+            return original_destroy(group)
+
+        for guard, fn in ((init_process_group, original), (destroy_process_group, original_destroy)):
+            guard.__doc__, guard.__wrapped__ = fn.__doc__, fn
+            guard._dpcourse_guard = True
         c10d.init_process_group = dist.init_process_group = init_process_group
+        c10d.destroy_process_group = dist.destroy_process_group = destroy_process_group
 
     @staticmethod
     def intact() -> bool:
@@ -104,6 +124,7 @@ class PoolGroup:
             os.environ.update(saved_env)
             if dist.is_initialized():  # the script did not destroy its group
                 dist.destroy_process_group()
+            self.retired.clear()  # see the module's docstring
             self.init(reinit_port)
 
 
