@@ -40,12 +40,21 @@ def _run(args: list[str], timeout: float = 120) -> str:
     return out
 
 
-def _torchrun(name: str, nproc: int, out: Path, *argv: str) -> list[tuple[str, str]]:
-    """Run a script on ``nproc`` ranks; return its stdout lines as (torchrun prefix, text)."""
-    stdout = _run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc_per_node={nproc}", "--tee=3",  # --tee prefixes lines "[default<rank>]:"
-                   scripts.path(name), *COMMON, "--out", str(out), *argv])
-    return [tuple(line.split(":", 1)) for line in stdout.splitlines() if line.startswith("[default")]
+def _torchrun(name: str, nproc: int, out: Path, *argv: str) -> list[tuple[int, str]]:
+    """Run a script on ``nproc`` ranks; return what they printed as (rank, line) pairs.
+
+    Each rank's stdout is read from the file torchrun redirects it to, not from torchrun's
+    ``--tee``: the tee reads those files while the ranks write, and a line caught half
+    written comes out split ("...0.408363[default0]:"), which is torchrun's display, not
+    the script's output.
+    """
+    logs = out.parent / f"{out.stem}-logs"
+    _run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+          f"--nproc_per_node={nproc}", "--redirects=3", f"--log-dir={logs}",
+          scripts.path(name), *COMMON, "--out", str(out), *argv])
+    files = sorted(logs.glob("*/attempt_0/*/stdout.log"))
+    assert len(files) == nproc, f"expected one stdout.log per rank under {logs}: {files}"
+    return [(int(f.parent.name), line) for f in files for line in f.read_text().splitlines()]
 
 
 def _epoch_losses(lines: list[str]) -> list[float]:
@@ -63,7 +72,7 @@ def single(tmp_path_factory):
 
 def _assert_same_training(lines, out: Path, single) -> None:
     weights, losses = single
-    assert {prefix for prefix, _ in lines} == {"[default0]"}, f"a rank other than 0 printed: {lines}"
+    assert {rank for rank, _ in lines} == {0}, f"a rank other than 0 printed: {lines}"
     texts = [text for _, text in lines]
     assert len(_epoch_losses(texts)) == 2 and f"saved {out}" in texts
     # Printed with 6 decimals: equal up to the last printed digit.
