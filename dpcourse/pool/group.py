@@ -12,12 +12,12 @@ functions can call ``dist.all_reduce`` at once. Two kinds of learner code disagr
   one that destroys the group is reported to the kernel, which re-initialises it on every
   rank before the next call.
 
-A script's groups are kept alive until the script has returned. PyTorch 2.13 can deadlock
-otherwise: when a script ends, DDP's C++ Reducer may drop the last reference to a Gloo
+A group destroyed during a call or a script is kept alive until it has returned. PyTorch 2.13
+can deadlock otherwise: when a script ends, DDP's C++ Reducer may drop the last reference to a Gloo
 group while holding the GIL, and the group's destructor then waits for a Gloo worker
 thread that is itself waiting for the GIL to free a finished collective's tensors (seen
-about once in ten ``train_ddp`` runs on 2 busy cores). Dropped here, after the script, a
-group is freed through its Python object, whose destructor releases the GIL first.
+about once in ten ``train_ddp`` runs on 2 busy cores). Dropped here, afterwards, a group is
+freed through its Python object, whose destructor releases the GIL first.
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ class PoolGroup:
     def __init__(self, backend: str, rank: int, world_size: int):
         self.backend, self.rank, self.world_size = backend, rank, world_size
         self.scripts_running = 0  # > 0 while a script owns init/destroy
-        self.retired = []  # the groups a running script destroyed: freed after it returns
+        self.retired = []  # groups destroyed during the current call: freed after it (release)
 
     def init(self, port: int) -> None:
         """Join the pool's group (collective: every rank calls it with the same port)."""
@@ -81,7 +81,7 @@ class PoolGroup:
             return original(*args, **kwargs)
 
         def destroy_process_group(group=None):
-            if self.scripts_running and dist.is_initialized():
+            if dist.is_initialized():
                 if group is None or group == c10d.GroupMember.WORLD:
                     self.retired.extend(c10d._world.pg_map)  # the default group and every subgroup
                 else:
@@ -93,6 +93,10 @@ class PoolGroup:
             guard._dpcourse_guard = True
         c10d.init_process_group = dist.init_process_group = init_process_group
         c10d.destroy_process_group = dist.destroy_process_group = destroy_process_group
+
+    def release(self) -> None:
+        """Free the groups destroyed since the last release (see the module's docstring)."""
+        self.retired.clear()
 
     @staticmethod
     def intact() -> bool:
@@ -124,7 +128,7 @@ class PoolGroup:
             os.environ.update(saved_env)
             if dist.is_initialized():  # the script did not destroy its group
                 dist.destroy_process_group()
-            self.retired.clear()  # see the module's docstring
+            self.release()
             self.init(reinit_port)
 
 

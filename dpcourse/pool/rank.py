@@ -142,6 +142,7 @@ class Rank:
                 value = self._dispatch(kind, call)
             finally:
                 self.running = False
+                self.group.release()
             if kind == "script" and value != 0:
                 return ("exited", run_id, value, self.group.intact())
             return ("ok", run_id, value, self.group.intact())
