@@ -126,6 +126,7 @@ def test_mismatched_collectives_time_out_with_a_diagnosis(cluster2):
     assert reports[0].state == "running" and "waiting in the 1st all_reduce of this call" in reports[0].summary
     assert "waiting in the 1st broadcast of this call" in reports[1].summary
     assert "dist.all_reduce(torch.ones(1))" in reports[0].traceback  # the learner's line
+    assert "check that all ranks\nreach the same collectives" in str(info.value)
     assert cluster2.run(lambda: 1) == [1, 1]
 
 
@@ -139,6 +140,9 @@ def test_timeout_says_which_ranks_finished(cluster2):
     assert info.value.reports[0].state == "finished"
     assert info.value.reports[1].state == "running"
     assert "time.sleep(30)" in info.value.reports[1].traceback
+    # no rank waits in a collective, so the message does not blame the collectives' order
+    assert "No rank is waiting in a collective" in str(info.value)
+    assert "same collectives in the same order" not in str(info.value)
 
 
 def test_rank_killed_during_a_call_is_reported_as_killed(cluster2):

@@ -77,9 +77,12 @@ class RankTimeout(ClusterError):
         summary = "; ".join(r.describe(with_trace=False) for r in reports)
         stuck = [r for r in reports if r.state == "running"]
         title = f"ranks did not finish within {timeout:g} s: {summary}"
-        note = (
-            "A collective waits until every rank calls the same one; check that all ranks\n"
-            "reach the same collectives in the same order. The ranks were restarted\n"
-            "(variables kept on ranks are gone); the cluster is ready."
-        )
+        if any(r.summary.startswith("waiting in") for r in stuck):
+            hint = ("A collective waits until every rank calls the same one; check that all ranks\n"
+                    "reach the same collectives in the same order.")
+        else:  # no rank is in a collective: the advice above would mislead
+            hint = ("No rank is waiting in a collective: a rank ran longer than the timeout (pass a\n"
+                    "larger timeout=...), waited for something else, or was blocked in C++ code\n"
+                    "that holds the GIL (a rank that did not answer).")
+        note = hint + "\nThe ranks were restarted (variables kept on ranks are gone); the cluster is ready."
         super().__init__(_format(title, stuck, note))
