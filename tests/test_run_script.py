@@ -85,7 +85,7 @@ def test_a_torchrun_script_runs_unchanged_on_the_ranks(script, tmp_path, world_s
 def test_scripts_back_to_back_never_deadlock_in_the_groups_teardown(script, tmp_path):
     """When a DDP script ends, DDP's Reducer can drop the last reference to the Gloo group
     while holding the GIL; the group's destructor then waits for a worker thread that waits
-    for the GIL: a rank hangs in C++ (about one run in ten on 2 busy cores, before the pool
+    for the GIL: a rank hangs in C++ (about one run in six on 2 cores, before the pool
     kept a script's groups alive until the script returned). 30 runs in a row must pass."""
     out = tmp_path / "weights.pt"
     with dpc.Cluster(world_size=2, timeout=60) as cluster:

@@ -12,12 +12,13 @@ functions can call ``dist.all_reduce`` at once. Two kinds of learner code disagr
   one that destroys the group is reported to the kernel, which re-initialises it on every
   rank before the next call.
 
-A group destroyed during a call or a script is kept alive until it has returned. PyTorch 2.13
-can deadlock otherwise: when a script ends, DDP's C++ Reducer may drop the last reference to a Gloo
-group while holding the GIL, and the group's destructor then waits for a Gloo worker
-thread that is itself waiting for the GIL to free a finished collective's tensors (seen
-about once in ten ``train_ddp`` runs on 2 busy cores). Dropped here, afterwards, a group is
-freed through its Python object, whose destructor releases the GIL first.
+A group destroyed during a call or a script is kept alive until it has returned. PyTorch
+2.13 can deadlock otherwise: when a script ends, DDP's C++ Reducer may drop the last
+reference to a Gloo group while holding the GIL, and the group's destructor then waits for a
+Gloo worker thread that is itself waiting for the GIL to free a finished collective's
+tensors (seen in about one of six ``train_ddp`` runs back to back on 2 cores). Dropped here,
+afterwards, a group is freed through its Python object, whose destructor releases the GIL
+first.
 """
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ class PoolGroup:
 
     def guard_init(self) -> None:
         """Make ``init_process_group`` explain itself when the pool's group already exists,
-        and keep the groups a script destroys alive until the script has returned."""
+        and keep the groups a call or script destroys alive until it has returned."""
         import torch.distributed as dist
         import torch.distributed.distributed_c10d as c10d
 
