@@ -24,8 +24,9 @@ COMMON = ["--epochs", "2", "--num-samples", "128"]  # 4 steps per epoch at the g
 EPOCH_LINE = re.compile(r"^epoch (\d+): mean loss ([0-9.]+)$")
 
 
-def _run(args: list[str], timeout: float = 120) -> str:
-    """Run ``args`` in a new session; return its stdout. On timeout kill the whole session."""
+def _run(args: list[str], timeout: float = 120, check: bool = True) -> tuple[int, str, str]:
+    """Run ``args`` in a new session: (exit code, stdout, stderr); ``check``: the code must be 0.
+    On timeout kill the whole session."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -36,8 +37,8 @@ def _run(args: list[str], timeout: float = 120) -> str:
         kill_tree(proc)  # torchrun and its ranks, all ours
         proc.communicate()
         pytest.fail(f"{args} ran past {timeout} s and was killed")
-    assert proc.returncode == 0, f"{args} exited with {proc.returncode}:\n{err[-3000:]}"
-    return out
+    assert proc.returncode == 0 or not check, f"{args} exited with {proc.returncode}:\n{err[-3000:]}"
+    return proc.returncode, out, err
 
 
 def _torchrun(name: str, nproc: int, out: Path, *argv: str) -> list[tuple[int, str]]:
@@ -49,12 +50,29 @@ def _torchrun(name: str, nproc: int, out: Path, *argv: str) -> list[tuple[int, s
     the script's output.
     """
     logs = out.parent / f"{out.stem}-logs"
-    _run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-          f"--nproc_per_node={nproc}", "--redirects=3", f"--log-dir={logs}",
-          scripts.path(name), *COMMON, "--out", str(out), *argv])
+    code, _, err = _run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                         f"--nproc_per_node={nproc}", "--redirects=3", f"--log-dir={logs}",
+                         scripts.path(name), *COMMON, "--out", str(out), *argv], check=False)
     files = sorted(logs.glob("*/attempt_0/*/stdout.log"))
     assert len(files) == nproc, f"expected one stdout.log per rank under {logs}: {files}"
-    return [(int(f.parent.name), line) for f in files for line in f.read_text().splitlines()]
+    lines = [(int(f.parent.name), line) for f in files for line in f.read_text().splitlines()]
+    if code != 0:
+        _assert_aborted_after_finishing(logs, lines, out, f"torchrun exited with {code}:\n{err[-3000:]}")
+    return lines
+
+
+def _assert_aborted_after_finishing(logs: Path, lines, out: Path, message: str) -> None:
+    """Accept one failure only: a rank aborted by PyTorch's Gloo teardown as Python exits.
+
+    After ``destroy_process_group`` a Gloo worker thread may still need the GIL to free the
+    last collective's tensors; if the interpreter is finalizing by then, the thread is ended
+    inside a C++ destructor and the process aborts ("terminate called without an active
+    exception", SIGABRT; seen once in a CI run of 4 ranks). The script's work is done
+    by then: rank 0 saved after the last collective, and the checks that follow compare it.
+    """
+    last_lines = [f.read_text().strip().splitlines()[-1:] for f in logs.glob("*/attempt_0/*/stderr.log")]
+    aborted = [t for t in last_lines if t == ["terminate called without an active exception"]]
+    assert aborted and "(SIGABRT)" in message and (0, f"saved {out}") in lines, message
 
 
 def _epoch_losses(lines: list[str]) -> list[float]:
@@ -65,7 +83,7 @@ def _epoch_losses(lines: list[str]) -> list[float]:
 def single(tmp_path_factory):
     """train_single.py on the global batch: (final weights, logged epoch losses)."""
     out = tmp_path_factory.mktemp("single") / "model.pt"
-    stdout = _run([sys.executable, scripts.path("train_single"), *COMMON,
+    _, stdout, _ = _run([sys.executable, scripts.path("train_single"), *COMMON,
                    "--batch-size", str(GLOBAL_BATCH), "--out", str(out)])
     return torch.load(out), _epoch_losses(stdout.splitlines())
 
