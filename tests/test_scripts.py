@@ -84,7 +84,7 @@ def single(tmp_path_factory):
     """train_single.py on the global batch: (final weights, logged epoch losses)."""
     out = tmp_path_factory.mktemp("single") / "model.pt"
     _, stdout, _ = _run([sys.executable, scripts.path("train_single"), *COMMON,
-                   "--batch-size", str(GLOBAL_BATCH), "--out", str(out)])
+                         "--batch-size", str(GLOBAL_BATCH), "--out", str(out)])
     return torch.load(out), _epoch_losses(stdout.splitlines())
 
 
