@@ -13,6 +13,7 @@ Modules: schedule (who sends what when), trace, ring (the one to read), fast_rin
 naive, cost (formulas), alpha_beta (the model fitted to timings), meter, live.
 """
 from . import alpha_beta
+from .alpha_beta import fit_alpha_beta
 from .cost import (algbw, bus_factor, busbw, bytes_sent_per_rank, num_steps,
                    ring_all_reduce_busbw, ring_all_reduce_seconds)
 from .fast_ring import fast_ring_all_gather, fast_ring_all_reduce, fast_ring_reduce_scatter

@@ -34,6 +34,14 @@ def unit_shapes(model: nn.Module, unit_classes) -> list[list[tuple]]:
     return [u for u in units + [root] if u]
 
 
+def model_units(model: nn.Module) -> list[list[tuple]]:
+    """``unit_shapes`` with one unit per module of the model's ``nn.ModuleList``s (its blocks):
+    what ``fully_shard`` on each block and then the root makes, or FSDP1's ``ModuleWrapPolicy``
+    of the block classes."""
+    classes = {type(m) for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst}
+    return unit_shapes(model, classes)
+
+
 def normalise_units(units, num_params: int) -> list[list[tuple]]:
     """``units`` as lists of shapes: None -> one unit of ``num_params``; ints -> 1-D units."""
     if units is None:

@@ -114,6 +114,9 @@ def ledger(num_params: int, world_size: int, strategy: str, precision: str = "fp
            units=None, activation_bytes: int = 0, foreach: bool = False) -> Ledger:
     """Bytes one rank holds for ``num_params`` parameters (elements) under ``strategy``.
 
+    num_params may be a model: its parameter count, and (unless ``units`` is given) one FSDP
+    unit per module of its ``nn.ModuleList``s plus the root (``layout.model_units``).
+
     world_size: ranks in total. precision: "fp32"; "mixed" (2-byte parameters and
     gradients with an fp32 master copy, the ZeRO paper's recipe; FSDP keeps its sharded
     parameters in fp32 as the master copy instead); or "autocast" (dp/ddp only: fp32
@@ -127,6 +130,10 @@ def ledger(num_params: int, world_size: int, strategy: str, precision: str = "fp
     ``num_params``). activation_bytes: per rank, e.g. from ``dpcourse.memory.activations``.
     foreach: the optimizer's multi-tensor path (default on CUDA) instead of the per-tensor one.
     """
+    if hasattr(num_params, "named_parameters"):  # a model: its size, and one unit per block
+        model = num_params
+        num_params = sum(p.numel() for p in model.parameters())
+        units = layout.model_units(model) if units is None else units
     vocab.check_name("strategy", strategy, STRATEGIES, LedgerError)
     vocab.check_name("precision", precision, PRECISIONS, LedgerError)
     vocab.check_name("optimizer", optimizer, OPTIMIZERS, LedgerError)

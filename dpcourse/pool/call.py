@@ -24,6 +24,7 @@ class Call:
         n = cluster.world_size
         self.pending: set[int] = set(range(n))
         self.results: list = [None] * n
+        self.observed: list = [None] * n  # per rank: what each observer of the call saw
         self.reports: dict[int, RankReport] = {}
         self.first_failure: float | None = None
 
@@ -70,10 +71,10 @@ class Call:
         if not msg[-1]:  # the last item of every reply: is the pool's process group intact?
             cluster._group_lost.add(rank)
         if msg[0] == "ok":
-            self.results[rank] = msg[2]
+            self.results[rank], self.observed[rank] = msg[2], msg[3]
             return RankReport(rank, "finished", "finished")
         if msg[0] == "exited":
-            self.results[rank] = msg[2]
+            self.results[rank], self.observed[rank] = msg[2], msg[3]
             return RankReport(rank, "exited", f"exited with code {msg[2]}")
         if msg[0] == "raised":
             return RankReport(rank, "raised", "raised " + msg[2], msg[3], msg[4])

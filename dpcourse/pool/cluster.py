@@ -2,6 +2,7 @@
 
     cluster = dpc.Cluster(world_size=4)            # gloo on CPU, nccl with >= 4 GPUs
     cluster.run(fn, *args, timeout=60, **kwargs)   # -> [result of rank 0, rank 1, ...]
+    cluster.run(fn, observe=[meter])               # fn runs inside the observers, on every rank
     cluster.shutdown()                             # or: with dpc.Cluster(4) as cluster: ...
 
 What the kernel can rely on: results ordered by rank; every rank's output shown live,
@@ -40,6 +41,17 @@ def current_cluster() -> "Cluster | None":
 def _close(launcher: LauncherProcess, crash_dir: str) -> None:
     launcher.close()
     shutil.rmtree(crash_dir, ignore_errors=True)
+
+
+def _observers(observe) -> list:
+    """``observe`` as a list, each item checked for the observer protocol (see ``Cluster.run``)."""
+    observers = [observe] if hasattr(observe, "collect") else list(observe or ())
+    for observer in observers:
+        missing = [m for m in ("__enter__", "__exit__", "result", "collect") if not hasattr(observer, m)]
+        if missing:
+            raise TypeError(f"observe= takes observers such as dpc.observe.Comm(); {observer!r} has no "
+                            + ", ".join(missing))
+    return observers
 
 
 def resolve_backend(backend: str, world_size: int) -> str:
@@ -108,16 +120,21 @@ class Cluster:
     def __exit__(self, *exc):
         self.shutdown()
 
-    def run(self, fn, *args, timeout=_DEFAULT, **kwargs) -> list:
+    def run(self, fn, *args, timeout=_DEFAULT, observe=(), **kwargs) -> list:
         """Call ``fn(*args, **kwargs)`` on every rank; return the results ordered by rank.
 
         timeout: seconds (None: no limit; default: the cluster's ``timeout``).
+        observe: observers (``dpc.observe``) that watch the call from outside, so ``fn`` stays
+        what it would be under torchrun. On each rank ``fn`` runs inside ``with observer:``
+        (the first one outermost); each rank's ``observer.result()`` comes back, and the
+        kernel's observer receives them all, ordered by rank, in ``observer.collect(results)``.
         """
         __tracebackhide__ = True  # IPython: show the ranks' error, not the pool's frames
         if not callable(fn):
             raise TypeError(f"run() needs a function to call on the ranks, got {type(fn).__name__}")
         self._check_open()
-        return self._call("call", wire.dumps_call(fn, args, kwargs), timeout)
+        observers = _observers(observe)
+        return self._call("call", wire.dumps_call(fn, args, kwargs, observers), timeout, observers)
 
     def run_cell(self, source: str, timeout=_DEFAULT) -> list:
         """Run Python source on every rank in a namespace kept per rank (what %%ranks does).
@@ -132,7 +149,7 @@ class Cluster:
         linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
         return self._call("cell", wire.dumps((source, filename)), timeout)
 
-    def run_script(self, path, *argv, timeout=_DEFAULT) -> list[int]:
+    def run_script(self, path, *argv, timeout=_DEFAULT, observe=()) -> list[int]:
         """Run the Python file ``path`` on every rank as ``torchrun`` would; exit codes by rank.
 
         The file runs as ``__main__`` with ``sys.argv == [path, *argv]``, torchrun's
@@ -141,6 +158,7 @@ class Cluster:
         script calls ``init_process_group`` and ``destroy_process_group`` itself, so the
         same file runs unchanged under torchrun. Afterwards the cluster's own group is back.
         A rank that raises, or exits with a non-zero code (``sys.exit(3)``), raises RankError.
+        observe: observers around the whole script, as in ``run``.
         """
         __tracebackhide__ = True
         path = os.path.abspath(os.fspath(path))
@@ -149,23 +167,24 @@ class Cluster:
                 source = f.read()
         except OSError as err:
             raise ClusterError(f"cannot read the script {path!r}: {err.strerror}") from None
-        return self._script(path, source, argv, timeout)
+        return self._script(path, source, argv, timeout, observe)
 
-    def run_script_source(self, source: str, *argv, timeout=_DEFAULT) -> list[int]:
+    def run_script_source(self, source: str, *argv, timeout=_DEFAULT, observe=()) -> list[int]:
         """``run_script`` for source text (what ``%%ranks --script`` does with a cell)."""
         __tracebackhide__ = True
         filename = f"<ranks-script-{self._run_id + 1}>"
         import linecache
 
         linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-        return self._script(filename, source, argv, timeout)
+        return self._script(filename, source, argv, timeout, observe)
 
-    def _script(self, path: str, source: str, argv: tuple, timeout) -> list[int]:
+    def _script(self, path: str, source: str, argv: tuple, timeout, observe) -> list[int]:
         __tracebackhide__ = True
         self._check_open()
+        observers = _observers(observe)
         port, reinit_port = free_ports(2)
-        call = wire.dumps((path, source, [str(a) for a in argv], port, reinit_port))
-        return self._call("script", call, timeout)
+        call = wire.dumps((path, source, [str(a) for a in argv], port, reinit_port, observers))
+        return self._call("script", call, timeout, observers)
 
     def restart(self) -> None:
         """Kill the ranks and start fresh ones (new process group, empty rank namespaces)."""
@@ -272,7 +291,7 @@ class Cluster:
               "re-initialised it (destroy_process_group belongs in scripts: cluster.run_script).",
               file=sys.stderr)
 
-    def _call(self, kind: str, call: bytes, timeout):
+    def _call(self, kind: str, call: bytes, timeout, observers=()):
         __tracebackhide__ = True
         timeout = self.default_timeout if timeout is _DEFAULT else timeout
         self._ensure_ready()
@@ -280,4 +299,8 @@ class Cluster:
         sources = wire.notebook_sources(self._sent_sources)
         message = wire.dumps((kind, self._run_id, (sources, call)))
         self._sent_sources.update(sources)
-        return health.track(self, Call(self, timeout), message)
+        pending = Call(self, timeout)
+        results = health.track(self, pending, message)
+        for i, observer in enumerate(observers):
+            observer.collect([seen[i] for seen in pending.observed])
+        return results

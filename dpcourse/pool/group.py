@@ -64,16 +64,18 @@ class PoolGroup:
                                 world_size=self.world_size, timeout=PG_TIMEOUT,
                                 device_id=device_id)
 
-    def guard_init(self) -> None:
-        """Make ``init_process_group`` explain itself when the pool's group already exists,
-        and keep the groups a call or script destroys alive until it has returned."""
+    @contextlib.contextmanager
+    def guarded(self):
+        """For one call: ``init_process_group`` explains itself when the pool's group already
+        exists, and the groups the call destroys stay alive until it has returned. The real
+        functions are back afterwards (PyTorch has no hook for either; nested: a no-op)."""
         import torch.distributed as dist
         import torch.distributed.distributed_c10d as c10d
 
-        original = c10d.init_process_group
+        original, original_destroy = c10d.init_process_group, c10d.destroy_process_group
         if getattr(original, "_dpcourse_guard", False):
+            yield
             return
-        original_destroy = c10d.destroy_process_group
 
         def init_process_group(*args, **kwargs):
             if self.scripts_running == 0 and dist.is_initialized():
@@ -94,6 +96,11 @@ class PoolGroup:
             guard._dpcourse_guard = True
         c10d.init_process_group = dist.init_process_group = init_process_group
         c10d.destroy_process_group = dist.destroy_process_group = destroy_process_group
+        try:
+            yield
+        finally:
+            c10d.init_process_group = dist.init_process_group = original
+            c10d.destroy_process_group = dist.destroy_process_group = original_destroy
 
     def release(self) -> None:
         """Free the groups destroyed since the last release (see the module's docstring)."""

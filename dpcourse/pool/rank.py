@@ -9,6 +9,7 @@ descriptors 1 and 2 -- Python prints, C++ warnings, progress bars -- to the kern
 """
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import linecache
 import os
@@ -22,7 +23,7 @@ from ..backends import rank_device
 from . import wire
 from .group import PoolGroup, torchrun_env
 from .output import OutputForwarder
-from .tracker import CollectiveTracker
+from .tracker import TRACKER
 
 # Out-of-memory killer preference, -1000 (never) .. 1000 (first). A rank that allocates too
 # much should be the one Linux kills, not the learner's kernel or JupyterLab.
@@ -46,7 +47,7 @@ class Rank:
         self.spec, self.rank = spec, rank
         self.task, self.control = task, control
         self._send_lock = threading.Lock()
-        self.tracker = CollectiveTracker()
+        self.tracker = TRACKER
         self.running = False
         self.namespace: dict = {}  # where %%ranks cells run; persists between cells
         self.main_ident = threading.get_ident()
@@ -74,7 +75,6 @@ class Rank:
         torch.set_num_threads(spec["num_threads"])
         self.group = PoolGroup(spec["backend"], rank, spec["world_size"])
         self.group.init(spec["port"])
-        self.group.guard_init()
         self.tracker.install()
         device = rank_device()
         # __name__ == "__main__": a cell's `if __name__ == "__main__":` block runs, as in a script.
@@ -139,13 +139,15 @@ class Rank:
             self.tracker.reset()
             self.running = True
             try:
-                value = self._dispatch(kind, call)
+                with self.group.guarded(), self.tracker.calls():  # undone after the call
+                    value = self._dispatch(kind, call)
             finally:
                 self.running = False
                 self.group.release()
+            value, observed = value if kind in ("call", "script") else (value, [])
             if kind == "script" and value != 0:
-                return ("exited", run_id, value, self.group.intact())
-            return ("ok", run_id, value, self.group.intact())
+                return ("exited", run_id, value, observed, self.group.intact())
+            return ("ok", run_id, value, observed, self.group.intact())
         except KeyboardInterrupt:
             return ("interrupted", run_id, self.group.intact())
         except BaseException as exc:  # noqa: BLE001 -- everything goes back to the kernel
@@ -168,8 +170,10 @@ class Rank:
             if dist.is_initialized():  # only some ranks lost it: start from a clean slate
                 dist.destroy_process_group()
             return self.group.init(call)
-        fn, args, kwargs = call
-        return fn(*args, **kwargs)
+        fn, args, kwargs, observers = call
+        with observing(observers) as observed:
+            value = fn(*args, **kwargs)
+        return value, observed
 
     def _run_cell(self, source: str, filename: str):
         """Run a %%ranks cell; return the value of its last line if that is an expression."""
@@ -184,8 +188,15 @@ class Rank:
             return eval(compile(last, filename, "eval"), self.namespace)
         return None
 
-    def _run_script(self, path: str, source: str, argv: list, port: int, reinit_port: int) -> int:
-        """Run ``source`` as the ``__main__`` module ``path``, as torchrun would; its exit code."""
+    def _run_script(self, path: str, source: str, argv: list, port: int, reinit_port: int,
+                    observers: list) -> tuple[int, list]:
+        """Run ``source`` as the ``__main__`` module ``path``, as torchrun would; its exit code
+        and what the observers saw."""
+        with observing(observers) as observed:
+            code = self._exec_script(path, source, argv, port, reinit_port)
+        return code, observed
+
+    def _exec_script(self, path: str, source: str, argv: list, port: int, reinit_port: int) -> int:
         import types
 
         code = compile(source, path, "exec")
@@ -201,6 +212,18 @@ class Rank:
             sys.modules["__main__"] = saved_main
             self.output.drain()
         return 0
+
+
+@contextlib.contextmanager
+def observing(observers: list):
+    """Run the body inside every observer (the first outermost); the list yielded is filled,
+    after the body, with each observer's ``result()``."""
+    observed: list = []
+    with contextlib.ExitStack() as stack:
+        for observer in observers:
+            stack.enter_context(observer)
+        yield observed
+    observed.extend(observer.result() for observer in observers)
 
 
 def _exit_code(exc: SystemExit) -> int:

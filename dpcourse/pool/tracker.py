@@ -12,18 +12,28 @@ functions instead: a ring calls them by the hundred, and a Python kernel in the 
 tripled the time of a small isend/irecv pair here (1.0 ms against 0.4 ms), while a plain
 wrapper costs microseconds.
 
+The point-to-point wrappers are the one runtime patch of ``torch.distributed`` the pool
+makes (nothing public sees a ``dist.isend`` before it reaches the backend): ``calls()``
+installs them for one call and restores the real functions after it, so nothing stacks.
+
 A collective is *issued* when its operator returns and *in progress* until its ``Work``
 completes: Gloo and NCCL run collectives in the background, and a rank blocks later, in
 ``wait()``. So "waiting in" names the oldest collective issued in this call whose work has
 not completed (a collective's future says when; a point-to-point ``Work``, which has no
 future on Gloo, is asked). Counts start again at every call.
+
+Whoever wants to see every collective a rank issues -- the course's observers -- listens
+(``TRACKER.listen(fn)``): ``fn(Issued(...))`` is called on the issuing thread right after
+each operator returns, with its arguments and ``Work``.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import time
 import warnings
+from dataclasses import dataclass
 
 # c10d operator -> the collective's name in torch.distributed (one table for the package:
 # the byte meter, dpcourse.collectives.meter, reads it too).
@@ -44,6 +54,23 @@ _DISPATCH_KEYS = ("AutogradCPU", "AutogradCUDA")
 _KEEP = 256  # issued collectives remembered per call (older completed ones are dropped)
 
 
+@dataclass(frozen=True)
+class Issued:
+    """One collective or point-to-point call a rank issued.
+
+    ``op``: the c10d operator (``"allreduce_"``, ``"_allgather_base_"``) or, for point-to-point,
+    the ``torch.distributed`` function (``"isend"``); ``collective``: its name in
+    ``torch.distributed`` (``"all_reduce"``, ``"send"``); ``args``: the operator's arguments
+    (point-to-point: ``(tensor, peer, group)``, ``peer`` a global rank); ``start``:
+    ``time.perf_counter()`` when it was called; ``work``: what it returned (None: it blocked).
+    """
+    op: str
+    collective: str
+    args: tuple
+    start: float
+    work: object
+
+
 def ordinal(n: int) -> str:
     """1 -> '1st', 2 -> '2nd', 11 -> '11th', 23 -> '23rd'."""
     suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
@@ -56,6 +83,7 @@ class CollectiveTracker:
     def __init__(self):
         self._lock = threading.Lock()
         self._library = None
+        self._listeners: list = []
         self.reset()
 
     def reset(self) -> None:
@@ -66,11 +94,9 @@ class CollectiveTracker:
             self.entering: tuple[str, int, float] | None = None
 
     def install(self) -> None:
-        """Route the c10d collective operators and the point-to-point functions through
-        the tracker (once per process)."""
+        """Route the c10d collective operators through the tracker (once per process:
+        ``torch.library`` kernels, PyTorch's public way to add one)."""
         import torch
-        import torch.distributed as dist
-        import torch.distributed.distributed_c10d as c10d
 
         if self._library is not None:
             return
@@ -82,20 +108,51 @@ class CollectiveTracker:
                 if packet is None or collective in POINT_TO_POINT:
                     continue
                 for key in _DISPATCH_KEYS:
-                    self._library.impl(op, self._kernel(collective, packet.default), key)
-        for name in POINT_TO_POINT:
-            original = getattr(c10d, name)
-            if getattr(original, "_dpcourse_wrapped", False):
-                continue
+                    self._library.impl(op, self._kernel(op, collective, packet.default), key)
+
+    @contextlib.contextmanager
+    def calls(self):
+        """Inside: the c10d operators are tracked and ``dist.send``/``recv``/``isend``/``irecv``
+        go through the tracker; afterwards the real functions are back (nested: a no-op)."""
+        import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d
+
+        self.install()
+        if getattr(c10d.isend, "_dpcourse_wrapped", False):
+            yield
+            return
+        saved = {name: getattr(c10d, name) for name in POINT_TO_POINT}
+        for name, original in saved.items():
             wrapped = self._p2p(name, original)
             wrapped._dpcourse_wrapped = True
             setattr(c10d, name, wrapped)
             if getattr(dist, name, None) is original:
                 setattr(dist, name, wrapped)
+        try:
+            yield
+        finally:
+            for name, original in saved.items():
+                if getattr(dist, name, None) is getattr(c10d, name):
+                    setattr(dist, name, original)
+                setattr(c10d, name, original)
+
+    @contextlib.contextmanager
+    def listen(self, fn):
+        """Inside: ``fn(Issued(...))`` after every collective and point-to-point call."""
+        with self.calls():
+            self._listeners.append(fn)
+            try:
+                yield
+            finally:
+                self._listeners.remove(fn)
+
+    def _tell(self, issued: Issued) -> None:
+        for fn in list(self._listeners):
+            fn(issued)
 
     def _enter(self, name: str) -> tuple[int, float]:
         with self._lock:
-            number, start = self.counts.get(name, 0) + 1, time.monotonic()
+            number, start = self.counts.get(name, 0) + 1, time.perf_counter()
             self.counts[name] = number
             self.entering = (name, number, start)
         return number, start
@@ -107,6 +164,15 @@ class CollectiveTracker:
     def _p2p(self, name: str, fn):
         @functools.wraps(fn)
         def tracked(*args, **kwargs):
+            if getattr(_inside, "p2p", False):  # dist.send calls dist.isend: count it once
+                return fn(*args, **kwargs)
+            _inside.p2p = True
+            try:
+                return outermost(*args, **kwargs)
+            finally:
+                _inside.p2p = False
+
+        def outermost(*args, **kwargs):
             number, start = self._enter(name)
             try:
                 work = fn(*args, **kwargs)  # send/recv block; isend/irecv return a Work
@@ -116,14 +182,19 @@ class CollectiveTracker:
                 for entry in self.issued:  # let go of the Works that have completed
                     if entry[4] is not None and entry[4].is_completed():
                         entry[3], entry[4] = True, None
-                self.issued.append([name, number, start, work is None, work])
+                # send returns None and recv the sender's rank (an int): both have completed
+                pending = work if hasattr(work, "is_completed") else None
+                self.issued.append([name, number, start, pending is None, pending])
                 if len(self.issued) > _KEEP:
                     self.issued = [e for e in self.issued if not e[3]][-_KEEP:] or self.issued[-1:]
+            if self._listeners:
+                self._tell(Issued(name, "send" if "send" in name else "recv", _p2p_args(name, args, kwargs),
+                                  start, work))
             return work
 
         return tracked
 
-    def _kernel(self, collective: str, op):
+    def _kernel(self, op_name: str, collective: str, op):
         import torch
 
         def tracked(*args, **kwargs):
@@ -135,6 +206,8 @@ class CollectiveTracker:
                 self._leave()
             work = result[-1] if isinstance(result, tuple) else result
             self._issued(collective, number, start, work)
+            if self._listeners:
+                self._tell(Issued(op_name, collective, args, start, work))
             return result
 
         return tracked
@@ -147,13 +220,13 @@ class CollectiveTracker:
             self.issued.append(entry)
             if len(self.issued) > _KEEP:
                 self.issued = [e for e in self.issued if not e[3]][-_KEEP:] or self.issued[-1:]
-        _when_complete(work, lambda _future: entry.__setitem__(3, True))
+        when_complete(work, lambda _future: entry.__setitem__(3, True))
 
     def describe(self) -> str:
         """One line: the collective this rank waits in, or the last one it issued."""
         with self._lock:
             entering, issued = self.entering, list(self.issued)
-        now = time.monotonic()
+        now = time.perf_counter()
         waiting = entering
         if waiting is None:
             waiting = next((tuple(c[:3]) for c in issued if not _done(c)), None)
@@ -166,6 +239,23 @@ class CollectiveTracker:
         return "not in a collective; none issued in this call"
 
 
+def _p2p_args(name: str, args: tuple, kwargs: dict) -> tuple:
+    """(tensor, peer as a global rank, group) of a ``dist.send``/``recv``/``isend``/``irecv`` call."""
+    import torch.distributed as dist
+
+    names = ("tensor", "dst" if "send" in name else "src", "group", "tag")
+    given = {**dict(zip(names, args)), **kwargs}
+    group, peer = given.get("group"), given.get(names[1])
+    if peer is None:  # group_dst / group_src: a rank within ``group``
+        local = given.get("group_dst" if "send" in name else "group_src")
+        peer = None if local is None else dist.get_global_rank(group, local)
+    return given.get("tensor"), peer, group
+
+
+_inside = threading.local()  # .p2p: a tracked point-to-point call is running on this thread
+TRACKER = CollectiveTracker()  # one per process: the pool's rank and every observer share it
+
+
 def _done(entry: list) -> bool:
     if not entry[3] and entry[4] is not None:
         try:
@@ -175,7 +265,7 @@ def _done(entry: list) -> bool:
     return entry[3]
 
 
-def _when_complete(work, callback) -> None:
+def when_complete(work, callback) -> None:
     """Call ``callback`` once ``work`` has completed (at once if it has, or cannot say)."""
     try:
         import torch.distributed as dist

@@ -19,8 +19,9 @@ from .errors import SerializationError
 #                                 "script" (run a file as torchrun would), "reinit" (join a new
 #                                 default process group on the port in the payload)
 # rank -> kernel (task socket):   ("ready", rank, pid) | ("init_error", rank, text)
-#                                 ("ok", run_id, value, intact)
-#                                 ("exited", run_id, code, intact)   (a script's sys.exit(code != 0))
+#                                 ("ok", run_id, value, observed, intact)
+#                                 ("exited", run_id, code, observed, intact)   (a script's sys.exit(code != 0))
+#                                 observed: [observer.result() for each observer of the call]
 #                                 ("raised", run_id, summary, tb, exc, intact)
 #                                 ("interrupted", run_id, intact)
 #                                 intact: whether the pool's default process group still exists
@@ -79,12 +80,13 @@ def _describe(obj) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def dumps_call(fn, args: tuple, kwargs: dict) -> bytes:
+def dumps_call(fn, args: tuple, kwargs: dict, observers: list = ()) -> bytes:
     """Pickle a call; on failure, name the function or argument that cannot be pickled."""
     try:
-        return dumps((fn, args, kwargs))
+        return dumps((fn, args, kwargs, list(observers)))
     except Exception as whole:
         parts = [("the function " + getattr(fn, "__qualname__", _describe(fn)), fn)]
+        parts += [(f"the observer {_describe(o)}", o) for o in observers]
         parts += [(f"positional argument {i} ({_describe(a)})", a) for i, a in enumerate(args)]
         parts += [(f"keyword argument {k!r} ({_describe(v)})", v) for k, v in kwargs.items()]
         for label, value in parts:

@@ -4,32 +4,19 @@
     NaiveDDP / OverlapDDP / BucketedDDP(module) # all-reduce after, per parameter, per bucket
     ShardedOptimizer(params, torch.optim.AdamW, lr=...)   # ZeRO-1
     MiniFSDP(module, wrap={Block}, compute_dtype=None)    # FULL_SHARD
-    Timeline(rank)                              # per-rank events, recorded by observers
 
 Each wrapper's file is only its algorithm. The DDPs expose ``grad_ready(param)`` and
-``comm_hook(tensor, name)``, MiniFSDP its per-unit steps and ``comm_hook``; timelines attach
-from outside through them (``observe``), as they do to PyTorch's DDP and FSDP1.
-
-Each runs on real ranks and is checked against PyTorch's own and against single-process
-training (``train_steps`` / ``reference_steps``). Modules: threaded_dp, ddp, bucketed,
-zero, flat, fsdp, timeline, observe (timelines of any of them and of torch DDP/FSDP1),
-experiment, sweep,
-compare (MiniFSDP next to FSDP1 and the memory ledger).
+``comm_hook(tensor, name)``, MiniFSDP its per-unit steps and ``comm_hook``, so a subclass can
+change one step; measurement attaches from outside (``dpc.observe``), as it does to
+PyTorch's DDP and FSDP. Each runs on real ranks and is checked against PyTorch's own and
+against single-process training (the notebooks and ``tests/test_scratch_*.py``). Modules:
+threaded_dp, ddp, bucketed, zero, flat, fsdp. None of them imports the training runner.
 """
-from . import compare, sweep, timeline
 from .bucketed import Bucket, BucketManager, assign_buckets
-from .ddp import BucketedDDP, NaiveDDP, OverlapDDP
-from .experiment import KINDS, parameters_around_backward, reference_steps, train_steps, wrap_model
+from .ddp import BucketedDDP, NaiveDDP, OverlapDDP, broadcast_module
 from .fsdp import MiniFSDP
-from .observe import (BackwardObserver, FSDP1Observer, MiniFSDPObserver, observe_comm_hook,
-                      observe_ddp_communication)
 from .threaded_dp import ThreadedDataParallel, measure_speedup
-from .timeline import Event, Timeline, hidden_fraction
 from .zero import ShardedOptimizer
 
-__all__ = ["Bucket", "BucketManager", "BucketedDDP", "BackwardObserver", "Event", "FSDP1Observer",
-           "KINDS", "MiniFSDP", "MiniFSDPObserver", "NaiveDDP", "OverlapDDP", "ShardedOptimizer",
-           "ThreadedDataParallel", "Timeline", "assign_buckets",
-           "compare", "hidden_fraction", "measure_speedup", "observe_comm_hook",
-           "observe_ddp_communication", "parameters_around_backward", "reference_steps", "sweep",
-           "timeline", "train_steps", "wrap_model"]
+__all__ = ["Bucket", "BucketManager", "BucketedDDP", "MiniFSDP", "NaiveDDP", "OverlapDDP", "ShardedOptimizer",
+           "ThreadedDataParallel", "assign_buckets", "broadcast_module", "measure_speedup"]

@@ -17,8 +17,7 @@ parameters and buffers, so ranks initialised with different seeds start equal. F
 parameters (``requires_grad=False``) are skipped; a tied parameter is one tensor,
 accumulated once per backward, so it is reduced once.
 
-Two methods are the wrapper's vocabulary, public so that a subclass or an observer can
-use them (``dpcourse.scratch.observe`` records timelines through them):
+Two methods are the wrapper's vocabulary, public so that a subclass can change them:
 
 * ``grad_ready(param)``: called when ``param.grad`` is complete. The hook behind it is
   ``Tensor.register_post_accumulate_grad_hook``, which is called with the *parameter*,
@@ -43,8 +42,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..train.parallel import broadcast_module
 from .bucketed import BucketManager
+
+
+def broadcast_module(model: nn.Module, src: int = 0, group=None) -> None:
+    """Copy rank ``src``'s parameters and buffers into every rank's model (of ``group``), in place."""
+    with torch.no_grad():
+        for tensor in list(model.parameters()) + list(model.buffers()):
+            dist.broadcast(tensor.data, src=src, group=group)
 
 
 class _DataParallel(nn.Module):

@@ -26,7 +26,7 @@ Surface: ``.module``, ``no_sync()``, ``finish_gradient_synchronization()``, and
 optimizer must be built on the wrapper's parameters, after wrapping: they are the shards.
 Its steps are public methods -- ``pre_forward``, ``post_forward``, ``pre_backward``,
 ``post_backward`` (per unit) and ``comm_hook`` (every collective) -- so that a subclass
-or an observer (``dpcourse.scratch.observe``) can use them, as with DDP's comm hooks.
+can change them, as with DDP's comm hooks.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ..train.parallel import broadcast_module
+from .ddp import broadcast_module
 from .flat import FlatUnit
 
 

@@ -1,14 +1,14 @@
 """Drawing the memory ledger: theory beside measurement, a step over time, and a player.
 
-Draws the plain data ``dpcourse.memory.experiment.measure_strategy`` returned from the
-ranks (one result per rank, a list per configuration) and the ledger computed here from
-it; it never starts processes. Heights are bytes per rank, shown in the labelled unit.
+Draws what ``dpc.observe.Memory`` observers measured, next to the ledgers the notebook
+computed for them: ``measured = {name: Memory}``, ``theory = {name: [Ledger of rank 0,
+rank 1, ...]}`` (one Ledger is used for every rank). It never starts processes. Heights are
+bytes per rank, shown in the labelled unit.
 """
 from __future__ import annotations
 
 import io
 
-from ..memory import report
 from ..memory.ledger import AT_REST, CATEGORIES
 from ..memory.sizes import in_unit
 
@@ -19,9 +19,25 @@ CATEGORY_COLORS = {
 LABELS = {c: c.replace("_", " ") for c in CATEGORIES}
 
 
+def configs(measured: dict, theory: dict, names=None) -> list[list[dict]]:
+    """Per configuration, per rank: {"label", "rank", "world_size", "at_rest", "frames",
+    "theory"} -- what the drawings read. ``names``: which of ``measured`` (default: all)."""
+    out = []
+    for name in names or list(measured):
+        memory, books = measured[name], theory[name]
+        books = books if isinstance(books, (list, tuple)) else [books] * len(memory.per_rank)
+        out.append([{"label": name, "rank": r, "world_size": len(memory.per_rank),
+                     "at_rest": memory.at_rest(r), "frames": memory.frames(r), "theory": books[r]}
+                    for r in range(len(memory.per_rank))])
+    return out
+
+
 def _rank(config, rank: int) -> dict:
-    """One rank's result from a configuration (a per-rank list, or already one result)."""
-    return config[rank] if isinstance(config, (list, tuple)) else config
+    return config[rank]
+
+
+def _peak(result: dict) -> int:
+    return max(sum(f["peak"].values()) for f in result["frames"])
 
 
 def phase_kind(phase: str) -> str:
@@ -45,11 +61,25 @@ def _stack(ax, x, values: dict, width: float, unit: str, hatch=None, alpha=1.0, 
     return bottom
 
 
-def plot_bars(configs, rank: int = 0, unit: str = "KiB", ax=None):
-    """Per-rank stacked bars at rest, theory (hatched) beside measured (solid), per strategy.
+def plot_memory(measured: dict, theory: dict, rank: int = 0, over: str = "strategy", names=None,
+                unit: str = "KiB", ax=None):
+    """What ``rank`` held, measured next to the ledger.
 
-    Short lines above each pair mark the peak over one step: dashed theory, solid measured.
+    over="strategy": stacked bars at rest per configuration, theory (hatched) beside measured
+    (solid); short lines above each pair mark the peak over the recorded step (dashed: theory,
+    solid: measured). over="step": memory over the recorded step, stacked by category, one
+    panel per configuration, the dashed line the theory's total for each moment.
     """
+    chosen = configs(measured, theory, names)
+    if over == "step":
+        return plot_timeline(chosen, rank, unit, axes=ax)
+    if over != "strategy":
+        raise ValueError(f"over must be 'strategy' or 'step', not {over!r}")
+    return plot_bars(chosen, rank, unit, ax)
+
+
+def plot_bars(configs, rank: int = 0, unit: str = "KiB", ax=None):
+    """Per-rank stacked bars at rest per configuration (see ``plot_memory``)."""
     import matplotlib.pyplot as plt
 
     if ax is None:
@@ -57,14 +87,14 @@ def plot_bars(configs, rank: int = 0, unit: str = "KiB", ax=None):
     names = []
     for i, config in enumerate(configs):
         result = _rank(config, rank)
-        theory = report.theory_for(result)
+        theory = result["theory"]
         _stack(ax, i - 0.2, theory.at_rest(), 0.38, unit, hatch="//", alpha=0.55, label=False)
         _stack(ax, i + 0.2, {c: result["at_rest"].get(c, 0) for c in AT_REST}, 0.38, unit,
                label=(i == 0))
         ax.hlines(in_unit(theory.peak, unit), i - 0.39, i - 0.01, colors="k", linestyles="--", lw=1)
         if result.get("frames"):
-            ax.hlines(in_unit(report.measured_peak(result)[0], unit), i + 0.01, i + 0.39, colors="k", lw=1.2)
-        names.append(report.label(result))
+            ax.hlines(in_unit(_peak(result), unit), i + 0.01, i + 0.39, colors="k", lw=1.2)
+        names.append(result["label"])
     ax.set_xticks(range(len(configs)), names, rotation=25, ha="right", fontsize=8)
     ax.set_ylabel(f"{unit} per rank")
     world = _rank(configs[0], rank)["world_size"]
@@ -88,11 +118,7 @@ def _series(result: dict):
 
 
 def plot_timeline(configs, rank: int = 0, unit: str = "KiB", axes=None):
-    """Memory over one recorded step, stacked by category, one panel per configuration.
-
-    The dashed line is the theory's total for the moment each phase belongs to
-    (at rest, forward, backward, optimizer step).
-    """
+    """Memory over the recorded step, one panel per configuration (see ``plot_memory``)."""
     import matplotlib.pyplot as plt
 
     if axes is None:
@@ -101,7 +127,7 @@ def plot_timeline(configs, rank: int = 0, unit: str = "KiB", axes=None):
         axes = axes[:, 0]
     for ax, config in zip(axes, configs):
         result = _rank(config, rank)
-        theory = report.theory_for(result)
+        theory = result["theory"]
         xs, names, points = _series(result)
         ys = [[in_unit(p.get(c, 0), unit) for p in points] for c in CATEGORIES]
         ax.stackplot(xs, ys, colors=[CATEGORY_COLORS[c] for c in CATEGORIES],
@@ -109,7 +135,7 @@ def plot_timeline(configs, rank: int = 0, unit: str = "KiB", axes=None):
         expect = [in_unit(sum(theory.phases[phase_kind(f["phase"])].values()), unit)
                   for f in result["frames"] for _ in (0, 1)]
         ax.step(xs, expect, where="post", color="k", ls="--", lw=1, label="theory")
-        ax.set_title(f"{report.label(result)}: rank {rank} of {result['world_size']}", fontsize=9)
+        ax.set_title(f"{result['label']}: rank {rank} of {result['world_size']}", fontsize=9)
         ax.set_ylabel(unit)
         ax.set_xticks(range(len(names)), names, rotation=60, ha="right", fontsize=6)
     fig = axes[0].figure
@@ -120,21 +146,14 @@ def plot_timeline(configs, rank: int = 0, unit: str = "KiB", axes=None):
 
 
 def _ranks(config) -> list:
-    return list(config) if isinstance(config, (list, tuple)) else [config]
+    return list(config)
 
 
-def theories_for(configs) -> list:
-    """The ledger of every rank of every configuration, computed once for all frames."""
-    return [[report.theory_for(r) for r in _ranks(config)] for config in configs]
-
-
-def draw_ledger_frame(axes, configs, k: int, unit: str = "KiB", theories=None) -> None:
-    """Frame ``k`` of the step: per configuration, one stacked bar per rank, theory as outline.
-
-    theories: ``theories_for(configs)``, passed in when many frames are drawn."""
+def draw_ledger_frame(axes, configs, k: int, unit: str = "KiB") -> None:
+    """Frame ``k`` of the step: per configuration, one stacked bar per rank, theory as outline."""
     from matplotlib.patches import Patch, Rectangle
 
-    theories = theories or theories_for(configs)
+    theories = [[r["theory"] for r in config] for config in configs]
     # one y-axis for every panel and frame, so the strategies' heights compare at a glance
     everyone = [r for config in configs for r in _ranks(config)]
     top = max([sum(f["peak"].values()) for r in everyone for f in r["frames"]]
@@ -153,7 +172,7 @@ def draw_ledger_frame(axes, configs, k: int, unit: str = "KiB", theories=None) -
         ax.set_ylim(0, in_unit(top, unit) * 1.08)
         ax.set_xlim(-0.6, len(ranks) - 0.4)
         ax.set_xticks(range(len(ranks)), [f"rank {r}" for r in range(len(ranks))], fontsize=7)
-        ax.set_title(f"{report.label(ranks[0])}\n{phase}", fontsize=8)
+        ax.set_title(f"{ranks[0]['label']}\n{phase}", fontsize=8)
         ax.set_ylabel(f"{unit} per rank", fontsize=7)
     used = [c for c in CATEGORIES if any(f["peak"].get(c) for r in everyone for f in r["frames"])]
     handles = [Patch(color=CATEGORY_COLORS[c], label=LABELS[c]) for c in used]
@@ -161,13 +180,13 @@ def draw_ledger_frame(axes, configs, k: int, unit: str = "KiB", theories=None) -
     axes[-1].legend(handles=handles, fontsize=6, loc="upper left", bbox_to_anchor=(1.02, 1))
 
 
-def render_ledger_png(configs, k: int, unit: str = "KiB", theories=None) -> bytes:
+def render_ledger_png(configs, k: int, unit: str = "KiB") -> bytes:
     """Frame ``k`` drawn as PNG bytes (the player shows these)."""
     from matplotlib.figure import Figure  # no pyplot: drawing a PNG leaves the backend alone
 
     fig = Figure(figsize=(3.2 * len(configs) + 1.6, 3.6))
     axes = fig.subplots(1, len(configs), squeeze=False)[0]
-    draw_ledger_frame(axes, configs, k, unit, theories)
+    draw_ledger_frame(axes, configs, k, unit)
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=90)
@@ -177,16 +196,15 @@ def render_ledger_png(configs, k: int, unit: str = "KiB", theories=None) -> byte
 class LedgerPlayer:
     """Play/pause and a step slider over one recorded training step, per rank and strategy.
 
-    configs: per-rank result lists from ``measure_strategy`` (e.g. DDP and FULL_SHARD).
-    The dashed outline is the theory's total for the current moment of the step.
-    Display it by leaving it as a cell's last expression.
+    measured, theory: as for ``plot_memory``; names: which configurations (e.g. DDP and
+    FULL_SHARD). The dashed outline is the theory's total for the current moment of the
+    step. Display it by leaving it as a cell's last expression.
     """
 
-    def __init__(self, configs, unit: str = "KiB", interval_ms: int = 600):
+    def __init__(self, measured: dict, theory: dict, names=None, unit: str = "KiB", interval_ms: int = 600):
         import ipywidgets as w
 
-        self.configs, self.unit, self._png = list(configs), unit, {}
-        self.theories = theories_for(self.configs)
+        self.configs, self.unit, self._png = configs(measured, theory, names), unit, {}
         steps = max(len(r["frames"]) for c in self.configs for r in _ranks(c))
         self.play = w.Play(min=0, max=steps - 1, step=1, interval=interval_ms, description="play")
         self.slider = w.IntSlider(min=0, max=steps - 1, description="step")
@@ -202,7 +220,7 @@ class LedgerPlayer:
 
         k = self.slider.value
         if k not in self._png:
-            self._png[k] = render_ledger_png(self.configs, k, self.unit, self.theories)
+            self._png[k] = render_ledger_png(self.configs, k, self.unit)
         show_png(self.image, self._png[k])
 
     def _ipython_display_(self):

@@ -1,13 +1,16 @@
 """An experiment panel: a few controls, a Run button, a progress bar, the plot, errors in place.
 
-    result = run_bucket_experiment(cluster, bucket_cap_mb=0.5)   # the plain function: data + figure
-    Panel("bucket_cap_mb", run_bucket_experiment, {"bucket_cap_mb": slider}, cluster)   # the widget
+    def bucket_timeline(cluster, bucket_cap_mb=0.5, progress=None):   # written in the notebook
+        ...                                  # run something on the ranks, draw it
+        return dpc.viz.draw_timeline(events)  # an Axes, a Figure, or an Experiment
+    dpc.viz.Panel("bucket size", bucket_timeline, cluster, bucket_cap_mb=[0.05, 0.5, 5])
 
-A panel's Run calls its experiment, ``run(cluster, progress=..., **fixed, **chosen values)``,
-which runs on real ranks and returns an ``Experiment`` (plain data and a matplotlib Figure);
-the panel shows the figure at its natural size. A control named ``world_size`` chooses the
-cluster: the notebook's own when the sizes match, else one the panel starts for itself (and
-shuts down when it starts another, or on ``close()``).
+A panel's Run calls the experiment, ``run(cluster, progress=..., **fixed, **chosen values)``,
+and shows the figure it returns at its natural size. Controls are keyword arguments: a list
+of choices (numbers: a slider over them; anything else: a drop-down) or an ipywidgets
+control. A control named ``world_size`` chooses the cluster: the notebook's own when the
+sizes match, else one the panel starts for itself (and shuts down when it starts another,
+or on ``close()``).
 
 Whatever happens stays in the panel: an exception in a widget callback would otherwise reach
 only the server's log, and the learner would watch "running..." forever. A rank's error shows
@@ -30,6 +33,25 @@ class Experiment(NamedTuple):
 
     def _repr_png_(self):
         return figure_png(self.figure)
+
+
+def as_experiment(value) -> Experiment:
+    """What an experiment returned, as an ``Experiment``: an Axes or a Figure becomes its figure."""
+    if isinstance(value, Experiment):
+        return value
+    figure = getattr(value, "figure", None) or (value if hasattr(value, "savefig") else None)
+    if figure is None:
+        raise TypeError(f"a panel's experiment must return a matplotlib Axes or Figure, not {type(value).__name__}")
+    return Experiment({}, figure)
+
+
+def _close_pyplot(figure) -> None:
+    """Forget ``figure`` in pyplot, if pyplot made it: it must not pop up under the next cell."""
+    import sys
+
+    plt = sys.modules.get("matplotlib.pyplot")
+    if plt is not None and getattr(figure, "number", None) in plt.get_fignums():
+        plt.close(figure)
 
 
 def new_figure(width: float, height: float):
@@ -94,19 +116,36 @@ class ErrorView:
         self.errors.append_stderr(describe_error(err) + "\n")
 
 
+def make_control(name: str, spec):
+    """An ipywidgets control for ``spec``: a widget as it is; a list of numbers, a slider over
+    them (the first selected); any other list, a drop-down."""
+    import ipywidgets as w
+
+    if isinstance(spec, w.Widget):
+        return spec
+    options = list(spec)
+    if not options:
+        raise ValueError(f"Panel control {name}=[] has no choices")
+    if all(isinstance(o, (int, float)) and not isinstance(o, bool) for o in options):
+        return w.SelectionSlider(options=options, value=options[0], description=name)
+    return w.Dropdown(options=options, value=options[0], description=name)
+
+
 class Panel:
     """Controls, Run, a progress bar and the experiment's figure; see the module docstring.
 
-    run: ``run(cluster, progress=callback, **fixed, **values) -> Experiment``; ``progress``
-    takes (fraction done, what is running). controls: {keyword: ipywidgets control};
-    ``world_size`` picks the cluster instead of being passed on. cluster: the notebook's.
+    run: ``run(cluster, progress=callback, **fixed, **values)`` returning an Axes, a Figure or
+    an ``Experiment``; ``progress`` takes (fraction done, what is running). controls: see
+    ``make_control``; ``world_size`` picks the cluster instead of being passed on. cluster: the
+    notebook's.
     """
 
-    def __init__(self, title: str, run, controls: dict, cluster=None, fixed: dict | None = None,
-                 world_size: int | None = None):
+    def __init__(self, title: str, run, cluster=None, *, fixed: dict | None = None,
+                 world_size: int | None = None, **controls):
         import ipywidgets as w
 
-        self.title, self.run_fn, self.controls, self.fixed = title, run, dict(controls), dict(fixed or {})
+        controls = {name: make_control(name, spec) for name, spec in controls.items()}
+        self.title, self.run_fn, self.controls, self.fixed = title, run, controls, dict(fixed or {})
         for control in self.controls.values():
             control.style.description_width = "initial"  # "bucket_cap_mb" whole, not "bucket_ca..."
         self.cluster, self.own = cluster, None  # the notebook's cluster; one the panel started
@@ -160,11 +199,13 @@ class Panel:
                 cluster = self._start(n)
             self._set(0.05, f"running on {n} ranks...")
             with self.output:  # in a callback, prints would otherwise reach only the log console
-                self.result = self.run_fn(cluster, progress=self._set, **self.fixed, **self.values())
+                self.result = as_experiment(self.run_fn(cluster, progress=self._set, **self.fixed,
+                                                        **self.values()))
             self._set(0.95, "drawing...")
             from .png import show_png
 
             show_png(self.image, figure_png(self.result.figure))
+            _close_pyplot(self.result.figure)
             self.image.layout.display = ""
             self._set(1.0, self.summary(cluster))
         except BaseException as err:  # noqa: BLE001 -- shown in the panel, nothing is lost

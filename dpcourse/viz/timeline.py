@@ -86,32 +86,34 @@ def draw_timeline(events, ax=None, title: str = "", unit: str = "ms", label_min:
 def draw_bucket_sweep(rows, predicted=None, ax=None, title: str = "bucket-size sweep"):
     """Seconds per step and exposed communication vs ``bucket_cap_mb``, one line per kind.
 
-    rows: ``scratch.sweep.bucket_sweep`` rows (from one rank, or the slowest per cap);
+    rows: dicts with ``kind`` (a wrapper's name), ``bucket_cap_mb``, ``step_s``, ``exposed_s``
+    and ``collectives`` (buckets all-reduced), e.g. ``Timeline.summary()`` plus the first two;
     predicted: optional {bucket_cap_mb: seconds} of the alpha-beta model's communication
-    time. Returns the Axes (milliseconds on the y axis, MiB on a log x axis).
+    time. Returns the Axes (milliseconds on the y axis, MiB on a log x axis); the first
+    kind's points are labelled with their number of buckets.
     """
     import matplotlib.pyplot as plt
 
     if ax is None:
         _, ax = plt.subplots(figsize=(9.5, 4))
-    styles = {"bucketed": ("#3182bd", "BucketedDDP"), "ddp": ("#e6550d", "torch DDP")}
-    for kind in sorted({r["kind"] for r in rows}):
+    kinds = list(dict.fromkeys(r["kind"] for r in rows))
+    for i, kind in enumerate(kinds):
         mine = sorted((r for r in rows if r["kind"] == kind), key=lambda r: r["bucket_cap_mb"])
-        color, name = styles.get(kind, ("#636363", kind))
+        color = ("#3182bd", "#e6550d", "#31a354", "#636363")[i % 4]
         caps = [r["bucket_cap_mb"] for r in mine]
-        ax.plot(caps, [r["step_s"] * 1e3 for r in mine], "o-", color=color, label=f"{name}: step")
+        ax.plot(caps, [r["step_s"] * 1e3 for r in mine], "o-", color=color, label=f"{kind}: step")
         ax.plot(caps, [r["exposed_s"] * 1e3 for r in mine], "s--", color=color, alpha=0.7,
-                label=f"{name}: exposed comm")
-        if kind == "bucketed":
+                label=f"{kind}: exposed comm")
+        if i == 0:
             for r in mine:
-                ax.annotate(f"{r['num_buckets']}", (r["bucket_cap_mb"], r["step_s"] * 1e3),
+                ax.annotate(f"{r['collectives']}", (r["bucket_cap_mb"], r["step_s"] * 1e3),
                             textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7)
     if predicted:
         caps = sorted(predicted)
         ax.plot(caps, [predicted[c] * 1e3 for c in caps], ":", color="black",
                 label="alpha-beta: all buckets' comm")
     ax.set_xscale("log")
-    ax.set_xlabel("bucket_cap_mb (MiB; numbers: buckets)")
+    ax.set_xlabel(f"bucket_cap_mb (MiB; numbers: {kinds[0] if kinds else ''} buckets)")
     ax.set_ylabel("ms per step")
     ax.margins(y=0.12)  # room for the bucket counts above the highest points
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside: never on a label

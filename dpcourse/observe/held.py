@@ -1,6 +1,6 @@
-"""The memory ledger measured on a rank: what it holds at rest, and over one training step.
+"""What a rank holds, by the memory ledger's roles, measured two independent ways.
 
-Runs on the ranks (``cluster.run``), never draws. Two independent measurements:
+Runs on the ranks (inside ``dpc.observe.Memory``), never draws.
 
 * ``held_bytes``: walks the model, its wrapper's own buffers and the optimizer, and sums the
   unique storages in each role (DTensor shards via ``to_local``, FSDP1 FlatParameters via
@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .watch import local as _local
+
 ROLE_ORDER = ("parameters", "gradients", "optimizer_state", "bucket_buffers",
               "unsharded_parameters", "unsharded_gradients")
 # FSDPMemTracker's own labels for buffers no role walk can see (they live inside FSDP2).
@@ -34,12 +36,6 @@ def wrapper_kind(model: nn.Module) -> str:
     if any(isinstance(m, FSDPModule) for m in model.modules()):
         return "fully_shard"
     return "plain"
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def role_tensors(model: nn.Module, optimizer, buckets=()):

@@ -1,0 +1,26 @@
+"""Observers: measurement that attaches to a rank's code from outside.
+
+    comm, mem = dpc.observe.Comm(), dpc.observe.Memory(step=2)
+    cluster.run(train, observe=[comm, mem])      # train() is what torchrun would run
+    comm.bytes(rank=0, step=-1)                   # {"all_reduce": ...}: bytes of the last step
+    mem.at_rest(rank=0)                           # {"parameters": ..., "gradients": ..., ...}
+
+| observer | what it sees | through |
+|---|---|---|
+| ``Comm`` | every collective and point-to-point call: bytes (logical and on the wire), group, time | the c10d operators (``dpcourse.pool.tracker``) |
+| ``Memory`` | bytes held by category, at rest and phase by phase over one step | ``MemTracker`` / ``FSDPMemTracker``, a walk of model and optimizer |
+| ``Timeline`` | compute spans per layer and communication spans per collective | global module and optimizer hooks, tensor hooks, futures |
+| ``Activations`` | bytes autograd saves for backward, and their peak | ``saved_tensors_hooks`` |
+
+Each is a context manager the pool enters on every rank around the call
+(``cluster.run(fn, observe=[...])``, ``cluster.run_script(path, observe=[...])``), so the
+function itself has no measuring line in it; the ranks' results come back to the kernel's
+observer. The same observers run around ``python -m dpcourse.train --measure ...``. Steps
+are counted at ``optimizer.step()`` (``watch.LoopWatch``).
+"""
+from .comm import Comm, CommRecord
+from .memory import Memory
+from .saved import Activations
+from .timeline import Timeline
+
+__all__ = ["Activations", "Comm", "CommRecord", "Memory", "Timeline"]

@@ -1,0 +1,224 @@
+"""``Comm``: the bytes each rank sends, collective by collective, split by training step.
+
+Every collective -- ``dist.all_reduce`` in the learner's code, DDP's C++ reducer, FSDP's
+all-gathers and reduce-scatters -- ends in a ``torch.ops.c10d`` operator, and every
+point-to-point call in ``dist.send``/``recv``/``isend``/``irecv``; the process's collective
+tracker (``dpcourse.pool.tracker``, the one the hang diagnosis uses) sees each with its
+tensors and its ``Work``. For each, ``Comm`` records the payload S as nccl-tests defines it
+(the all_gather output, the reduce_scatter input, a send's message) and what a
+bandwidth-optimal algorithm makes this rank send (``logical_sent``: S times
+``dpcourse.collectives.cost.bus_factor``), the process group's ranks, and when it was
+issued and completed. A record's ``step`` is the number of ``optimizer.step()`` calls that
+had completed when it was issued (``LoopWatch``), so step 2's records are the third step's.
+
+Wire bytes: ``/proc/self/io``'s ``wchar`` counts every byte the process hands to write
+calls, socket writes included -- what Gloo's TCP transport really sends, plus a few header
+bytes, and anything else the rank writes meanwhile (its printed lines). Linux only.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..collectives.cost import bus_factor
+from ..pool.tracker import TRACKER, when_complete
+from .watch import LoopWatch
+
+# Where S is among a c10d op's arguments: 0, the input; 1, the output (all_gather's input is
+# one rank's share, reduce_scatter's output is); None, no payload.
+_PAYLOAD_ARG = {"_reduce_scatter_base_": 1, "reduce_scatter_": 1, "reduce_scatter_tensor_coalesced_": 1,
+                "alltoall_base_": 1, "alltoall_": 1, "gather_": 1, "barrier": None,
+                "monitored_barrier_": None}
+
+
+@dataclass
+class CommRecord:
+    """One collective or point-to-point call on a rank (bytes; seconds of ``perf_counter``).
+
+    ``nbytes``: S; ``logical_sent``: bytes a bandwidth-optimal algorithm sends from this rank
+    (None where that depends on more than S: gather, scatter); ``world_size`` and
+    ``group_ranks``: its process group (HYBRID_SHARD uses two); ``peer``: a send's
+    destination or a receive's source; ``end``: when its ``Work`` completed (None: the
+    backend could not say, e.g. Gloo's point-to-point); ``payload``: a copy of what a send
+    sent, when ``Comm(payloads=True)``."""
+    op: str
+    collective: str
+    nbytes: int
+    world_size: int
+    logical_sent: int | None
+    group_ranks: tuple | None
+    step: int
+    start: float
+    end: float | None = None
+    peer: int | None = None
+    payload: torch.Tensor | None = None
+
+
+def _nbytes(arg) -> int:
+    if isinstance(arg, torch.Tensor):
+        return arg.numel() * arg.element_size()
+    if isinstance(arg, (list, tuple)):
+        return sum(_nbytes(a) for a in arg)
+    return 0
+
+
+def _process_group(arg):
+    """The ProcessGroup a c10d op was called on: ops receive it boxed as a ScriptObject."""
+    import torch.distributed as dist
+
+    if isinstance(arg, dist.ProcessGroup):
+        return arg
+    if isinstance(arg, torch.ScriptObject) and "ProcessGroup" in arg._type().qualified_name():
+        return dist.ProcessGroup.unbox(arg)
+    return None
+
+
+def logical_sent(collective: str, nbytes: int, world_size: int) -> int | None:
+    """Bytes a bandwidth-optimal algorithm makes one rank send for ``collective`` on S bytes."""
+    if collective == "send":
+        return nbytes
+    if collective in ("recv", "barrier"):
+        return 0
+    try:
+        return round(nbytes * bus_factor(collective, world_size))
+    except ValueError:
+        return None
+
+
+def wire_bytes_written() -> int | None:
+    """Bytes this process has handed to write calls so far (``wchar``); None off Linux."""
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("wchar:"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+class Comm:
+    """Observer: every collective a rank issues, with its bytes, by training step.
+
+        comm = dpc.observe.Comm()
+        cluster.run(train, observe=[comm])
+        comm.bytes(rank=0, step=-1)     # {"all_reduce": 1_234, ...}: the last step's logical bytes
+        comm.calls(rank=0, step=-1)     # {"all_gather": 5, ...}
+        comm.wire(rank=0, step=-1)      # bytes on Gloo's wire in that step
+        comm.records(rank=0)            # every CommRecord of the call
+
+    ``step``: None (default) for the whole call; 0, 1, ... for the step that many
+    ``optimizer.step()`` calls in; negative from the end (-1: the last complete step).
+    """
+
+    def __init__(self, payloads: bool = False):
+        self.payloads = payloads
+        self.per_rank: list[dict] | None = None  # filled in the kernel by collect()
+
+    def __repr__(self) -> str:
+        return f"Comm(payloads={self.payloads})" if self.per_rank is None else \
+            f"Comm(observed on {len(self.per_rank)} ranks)"
+
+    # --- on the rank -----------------------------------------------------------------
+    def __enter__(self):
+        import torch.distributed as dist
+
+        self._dist = dist
+        self._records: list[CommRecord] = []
+        self._wire = [wire_bytes_written()]  # at the call's start and at every step's end
+        self._watch = LoopWatch(on_step_end=lambda w: self._wire.append(wire_bytes_written()))
+        self._watch.__enter__()
+        self._listening = TRACKER.listen(self._issued)
+        self._listening.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._listening.__exit__(*exc)
+        self._watch.__exit__(*exc)
+        self._wire.append(wire_bytes_written())
+
+    def _issued(self, issued) -> None:
+        name, args = issued.op, issued.args
+        if issued.collective in ("send", "recv") and name in ("send", "recv", "isend", "irecv"):
+            tensor, peer, group = args
+            nbytes, n = _nbytes(tensor), (group.size() if group is not None else self._dist.get_world_size())
+            payload = tensor.detach().clone() if self.payloads and issued.collective == "send" else None
+        else:
+            where = _PAYLOAD_ARG.get(name, 0)
+            nbytes = _nbytes(args[where]) if where is not None and len(args) > where else 0
+            group = next((g for g in map(_process_group, args) if g is not None), None)
+            n, peer, payload = group.size() if group is not None else self._dist.get_world_size(), None, None
+        ranks = tuple(self._dist.get_process_group_ranks(group)) if group is not None else None
+        record = CommRecord(name, issued.collective, nbytes, n, logical_sent(issued.collective, nbytes, n),
+                            ranks, self._watch.steps, issued.start, peer=peer, payload=payload)
+        self._records.append(record)
+        if issued.work is None or isinstance(issued.work, int):  # it blocked: done now
+            record.end = time.perf_counter()
+        else:
+            when_complete(issued.work, lambda future: future is not None and
+                          setattr(record, "end", time.perf_counter()))
+
+    def result(self) -> dict:
+        wire = self._wire
+        known = all(w is not None for w in wire)
+        return {"records": [asdict(r) for r in self._records], "steps": self._watch.steps,
+                "wire": [b - a for a, b in zip(wire, wire[1:])] if known else None}
+
+    # --- in the kernel -----------------------------------------------------------------
+    def collect(self, per_rank: list) -> None:
+        self.per_rank = per_rank
+
+    def _rank(self, rank: int) -> dict:
+        if self.per_rank is None:
+            raise RuntimeError("nothing observed yet: pass this observer to cluster.run(fn, observe=[comm])")
+        return self.per_rank[rank]
+
+    def _step(self, rank: int, step: int | None) -> int | None:
+        """``step`` as an index from the start (None: the whole call)."""
+        if step is None:
+            return None
+        steps = self._rank(rank)["steps"]
+        index = steps + step if step < 0 else step
+        if not 0 <= index <= steps:
+            raise IndexError(f"rank {rank} ran {steps} optimizer step(s); step={step} is not one of them")
+        return index
+
+    def records(self, rank: int = 0, step: int | None = None) -> list[CommRecord]:
+        """The ``CommRecord``s of ``rank`` (in the order issued), of one step or all."""
+        index = self._step(rank, step)
+        return [CommRecord(**r) for r in self._rank(rank)["records"] if index is None or r["step"] == index]
+
+    def bytes(self, rank: int = 0, step: int | None = None, group: tuple | None = None) -> dict[str, int]:
+        """{collective: logical bytes ``rank`` sent} (one step or the whole call; one process
+        group's, given by its ranks, or all)."""
+        out: dict[str, int] = {}
+        for r in self.records(rank, step):
+            if r.logical_sent and (group is None or r.group_ranks == tuple(group)):
+                out[r.collective] = out.get(r.collective, 0) + r.logical_sent
+        return out
+
+    def calls(self, rank: int = 0, step: int | None = None) -> dict[str, int]:
+        """{collective: how many ``rank`` issued} (barriers and zero-byte calls included)."""
+        out: dict[str, int] = {}
+        for r in self.records(rank, step):
+            out[r.collective] = out.get(r.collective, 0) + 1
+        return out
+
+    def groups(self, rank: int = 0, step: int | None = None) -> dict[tuple, dict[str, int]]:
+        """{ranks of a process group: {collective: logical bytes}} for ``rank``."""
+        out: dict[tuple, dict[str, int]] = {}
+        for r in self.records(rank, step):
+            if r.logical_sent:
+                group = out.setdefault(r.group_ranks, {})
+                group[r.collective] = group.get(r.collective, 0) + r.logical_sent
+        return out
+
+    def wire(self, rank: int = 0, step: int | None = None) -> int | None:
+        """Bytes ``rank`` wrote to its sockets (and any file) in one step or the whole call."""
+        wire = self._rank(rank)["wire"]
+        if wire is None:
+            return None
+        index = self._step(rank, step)
+        return sum(wire) if index is None else wire[index]

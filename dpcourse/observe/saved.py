@@ -1,0 +1,83 @@
+"""``Activations``: the bytes autograd keeps for backward on each rank, live, with their peak.
+
+    acts = dpc.observe.Activations()
+    cluster.run(train, observe=[acts])
+    acts.peak(rank=0)          # most bytes saved for backward at once, over the call
+
+A ``torch.autograd.graph.saved_tensors_hooks`` pair counts every tensor autograd saves, from
+the moment it is saved until autograd releases it (after the backward that used it).
+Parameters and views of them are left out (they are held anyway); a storage saved twice
+counts once; a saved view counts its whole storage. Activation checkpointing shows as a
+lower peak: a checkpointed block saves only its input and recomputes the rest in backward.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+
+class _Saved:
+    """What autograd stores instead of the tensor while the hooks are on."""
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+class Activations:
+    """Observer: bytes saved for backward on every rank (``live`` now, ``peak`` so far)."""
+
+    def __init__(self):
+        self.per_rank: list[dict] | None = None
+
+    def __repr__(self) -> str:
+        return "Activations()" if self.per_rank is None else f"Activations(observed on {len(self.per_rank)} ranks)"
+
+    # --- on the rank -----------------------------------------------------------------
+    def __enter__(self):
+        self.live = self.peak_bytes = 0
+        self._count: dict[int, int] = {}
+        self._size: dict[int, int] = {}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+        del self._hooks
+
+    def _pack(self, t):
+        base = t if t._base is None else t._base  # a Linear saves its weight transposed: a view
+        if base.is_leaf and base.requires_grad:  # a parameter (sharded or gathered): not an activation
+            return t
+        key = t.untyped_storage().data_ptr()
+        if self._count.get(key, 0) == 0:
+            self._size[key] = t.untyped_storage().nbytes()
+            self.live += self._size[key]
+            self.peak_bytes = max(self.peak_bytes, self.live)
+        self._count[key] = self._count.get(key, 0) + 1
+        saved = _Saved(t)
+        weakref.finalize(saved, self._release, key)  # autograd drops it after its backward
+        return saved
+
+    def _release(self, key):
+        self._count[key] -= 1
+        if self._count[key] == 0:
+            self.live -= self._size.pop(key)
+
+    @staticmethod
+    def _unpack(saved):
+        return saved.tensor if isinstance(saved, _Saved) else saved
+
+    def result(self) -> dict:
+        return {"peak": self.peak_bytes, "live": self.live}
+
+    # --- in the kernel -----------------------------------------------------------------
+    def collect(self, per_rank: list) -> None:
+        self.per_rank = per_rank
+
+    def peak(self, rank: int = 0) -> int:
+        """Most bytes ``rank`` had saved for backward at one moment of the call."""
+        if self.per_rank is None:
+            raise RuntimeError("nothing observed yet: pass this observer to cluster.run(fn, observe=[acts])")
+        return self.per_rank[rank]["peak"]
