@@ -7,6 +7,8 @@ rebuild exactly the same dataset without files.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -113,6 +115,36 @@ def build_model(name: str, seed: int = 0, **sizes) -> nn.Module:
 def wrap_classes(name: str) -> set[type[nn.Module]]:
     """The module classes that make one FSDP unit each (one per block)."""
     return {BLOCKS[name]}
+
+
+def unit_shapes(model: nn.Module, unit_classes=None) -> list[list[tuple]]:
+    """Parameter shapes per FSDP unit: one unit per module of ``unit_classes``, the rest root.
+
+    unit_classes: default, the classes of the modules in the model's ``nn.ModuleList``s (its
+    blocks). Matches FSDP1's ``ModuleWrapPolicy`` and FSDP2 ``fully_shard`` applied to each
+    such module and then to the root. Units come children first, the root last; empty units
+    are left out.
+    """
+    if unit_classes is None:
+        unit_classes = {type(m) for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst}
+    unit_classes = tuple(unit_classes)
+    units, claimed = [], set()
+    for module in model.modules():
+        if module is not model and isinstance(module, unit_classes):
+            params = [p for p in module.parameters() if id(p) not in claimed]
+            claimed.update(id(p) for p in params)
+            units.append([tuple(p.shape) for p in params])
+    root = [tuple(p.shape) for p in model.parameters() if id(p) not in claimed]
+    return [u for u in units + [root] if u]
+
+
+def unit_numels(model: nn.Module) -> list[int]:
+    """Parameters per FSDP unit (``unit_shapes``'s units), the root last even when it is empty."""
+    shapes = unit_shapes(model)
+    numels = [sum(math.prod(s) for s in unit) for unit in shapes]
+    claimed = {id(p) for lst in model.modules() if isinstance(lst, nn.ModuleList) for p in lst.parameters()}
+    root_empty = all(id(p) in claimed for p in model.parameters())
+    return numels + [0] if root_empty else numels
 
 
 def make_dataset(name: str, num_samples: int, seed: int = 1, **sizes) -> torch.utils.data.TensorDataset:

@@ -6,7 +6,7 @@
     trace = Trace(); ring_all_reduce(t, trace=trace)   # on each rank; Trace.merge in the kernel
     simulate("ring_all_reduce", world_size, numel)     # the same schedule, no processes
     measure_bytes_sent(fn)             # on a rank: logical (c10d ops) and wire bytes
-    run_collective(cluster, "all_gather")              # any collective, before/after per rank
+    expected_after("all_gather(parts, t)", before)     # what each rank must hold afterwards
     alpha_beta.fit_alpha_beta(cluster.run(alpha_beta.time_all_reduce, sizes)[0], n)
 
 Modules: schedule (who sends what when), trace, ring (the one to read), fast_ring,
@@ -14,10 +14,10 @@ naive, cost (formulas), alpha_beta (the model fitted to timings), meter, live.
 """
 from . import alpha_beta
 from .alpha_beta import fit_alpha_beta
-from .cost import (algbw, bus_factor, busbw, bytes_sent_per_rank, num_steps,
+from .cost import (algbw, bus_factor, busbw, bytes_sent_per_rank, num_steps, step_bytes,
                    ring_all_reduce_busbw, ring_all_reduce_seconds)
 from .fast_ring import fast_ring_all_gather, fast_ring_all_reduce, fast_ring_reduce_scatter
-from .live import COLLECTIVES, LiveResult, contributions, expected_after, run_collective
+from .live import contributions, expected_after
 from .meter import BytesSent, C10dMeter, CommRecord, measure_bytes_sent, wire_bytes_written
 from .naive import naive_all_reduce, whole_ring_all_reduce
 from .ring import ring_all_gather, ring_all_reduce, ring_reduce_scatter

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .cost import bus_factor
+from .cost import bus_factor, step_bytes
 
 
 def time_all_reduce(sizes_bytes, repeats: int = 20) -> dict:
@@ -121,34 +121,46 @@ def collective_seconds(collective: str, nbytes: float, world_size: int, link: Li
     return latency + bus_factor(collective, world_size) * nbytes / link.beta
 
 
-def step_comm_seconds(strategy: str, param_bytes: float, world_size: int, link: Link, *, units: int = 1,
-                      shard_group_size: int | None = None, inter_link: Link | None = None) -> dict[str, float]:
-    """Seconds one step spends communicating, by collective (ring, alpha-beta).
+def step_comm_seconds(strategy: str, world_size: int, units, link: Link, *, shard_group_size: int | None = None,
+                      inter_link: Link | None = None, param_bytes: int = 2, reduce_bytes: int | None = None,
+                      bucket_bytes: int = DDP_BUCKET_BYTES) -> dict[str, dict[str, float]]:
+    """Seconds one step spends communicating, per phase and collective (ring, alpha-beta):
+    {"forward": {collective: s}, "backward": {...}}.
 
-    strategy: "ddp", "SHARD_GRAD_OP", "FULL_SHARD" (FSDP2's ``fully_shard`` is the same) or
-    "HYBRID_SHARD": FULL_SHARD inside groups of ``shard_group_size`` ranks on ``link`` and an
-    all-reduce of each Ψ/F shard across the groups on ``inter_link``. param_bytes: Ψ, the
-    bytes of the gradients (= of the gathered parameters); units: collective calls per pass
-    (DDP's buckets, FSDP's units). The root unit's single gather is ignored (Ψ-sized models).
+    The bytes are ``cost.step_bytes``'s (``units``: the FSDP units' parameter counts, the
+    root last; param_bytes 2 for bf16); each collective pays, besides bytes / beta, alpha per
+    ring step of every call: DDP all-reduces one bucket of ``bucket_bytes`` at a time, FSDP
+    gathers and reduces one unit at a time. HYBRID_SHARD's gathers and reductions run inside
+    a shard group on ``link``, its all_reduce across groups on ``inter_link``.
     """
-    psi, n = param_bytes, world_size
-    if strategy == "ddp":
-        return {"all_reduce": collective_seconds("all_reduce", psi, n, link, units)}
-    if strategy == "SHARD_GRAD_OP":
-        return {"all_gather": collective_seconds("all_gather", psi, n, link, units),
-                "reduce_scatter": collective_seconds("reduce_scatter", psi, n, link, units)}
-    if strategy in ("FULL_SHARD", "fully_shard"):
-        return {"all_gather": collective_seconds("all_gather", 2 * psi, n, link, 2 * units),
-                "reduce_scatter": collective_seconds("reduce_scatter", psi, n, link, units)}
-    if strategy == "HYBRID_SHARD":
-        f = shard_group_size
-        if not f or n % f or inter_link is None:
-            raise ValueError(f"HYBRID_SHARD needs shard_group_size dividing world_size={n} (got {f}) "
-                             "and inter_link, the link between the groups (nodes)")
-        inside = step_comm_seconds("FULL_SHARD", psi, f, link, units=units)
-        across = collective_seconds("all_reduce", psi / f, n // f, inter_link, units)
-        return {**{f"{k} inside": v for k, v in inside.items()}, "all_reduce across": across}
-    raise ValueError(f"no projection for {strategy!r}; choose ddp, SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD")
+    numels = [int(u) for u in units]
+    n, psi = world_size, sum(numels) * param_bytes
+    if strategy == "HYBRID_SHARD" and (not shard_group_size or n % shard_group_size or inter_link is None):
+        raise ValueError(f"HYBRID_SHARD needs shard_group_size dividing world_size={n} (got {shard_group_size}) "
+                         "and inter_link, the link between the groups (nodes)")
+    phases = step_bytes(strategy, n, numels, shard_group_size=shard_group_size, param_bytes=param_bytes,
+                        reduce_bytes=reduce_bytes, by_phase=True)
+    group = shard_group_size or n
+    blocks = sum(1 for u in numels[:-1] if u) + (1 if numels[-1] else 0)
+    calls = {("forward", "all_gather"): blocks, ("backward", "all_gather"): blocks - (1 if numels[-1] else 0),
+             ("backward", "reduce_scatter"): blocks,
+             ("backward", "all_reduce"): math.ceil(psi / bucket_bytes) if strategy in ("ddp", "NO_SHARD") else blocks}
+    out: dict[str, dict[str, float]] = {}
+    for phase, volume in phases.items():
+        out[phase] = {}
+        for collective, sent in volume.items():
+            across = collective == "all_reduce" and strategy not in ("ddp", "NO_SHARD")
+            ranks, on = (n // group, inter_link) if across else (group if strategy != "ddp" else n, link)
+            if strategy in ("ddp", "NO_SHARD"):
+                ranks = n
+            latency = calls[phase, collective] * _RING_STEPS[collective](ranks) * on.alpha
+            out[phase][collective] = latency + sent / on.beta
+    return out
+
+
+def forward_seconds(num_params: float, tokens: int, flops: float = H100_BF16_FLOPS, mfu: float = 0.4) -> float:
+    """Seconds of one rank's forward pass: 2 x params x tokens FLOPs at ``mfu`` of ``flops``."""
+    return 2 * num_params * tokens / (flops * mfu)
 
 
 def backward_seconds(num_params: float, tokens: int, flops: float = H100_BF16_FLOPS, mfu: float = 0.4) -> float:
@@ -159,21 +171,27 @@ def backward_seconds(num_params: float, tokens: int, flops: float = H100_BF16_FL
 
 def hiding_rows(setups, models=REFERENCE_MODELS, tokens: int = 4096, grad_bytes: int = 2,
                 flops: float = H100_BF16_FLOPS, mfu: float = 0.4) -> list[dict]:
-    """Can each strategy's communication hide behind backward? One row per model and setup.
+    """Can each strategy's communication hide behind compute? One row per model and setup.
 
     setups: (label, strategy, world_size, link, options for ``step_comm_seconds``) tuples;
     models: {name: (parameters, FSDP units)}; tokens per rank and step; grad_bytes: 2 for
-    bf16 gradients. ``min tokens`` is the smallest tokens per rank and step at which the
-    step's communication takes no longer than backward: comm time x tokens / backward time.
+    bf16. Communication hides phase by phase: what a phase sends runs while that phase
+    computes -- FSDP's forward all-gathers under forward (2 x params x tokens FLOPs: the next
+    unit's gather is prefetched while the current one computes), backward's gathers,
+    reduce-scatters and all-reduces under backward (4 x params x tokens). ``min tokens`` is
+    the smallest tokens per rank and step at which every phase's communication fits in its
+    compute: the largest of comm x tokens / compute over the phases.
     """
     rows = []
     for model, (params, blocks) in models.items():
-        psi = params * grad_bytes
-        compute = backward_seconds(params, tokens, flops, mfu)
+        units = [params / blocks] * blocks + [0]  # equal blocks; the root's own share is negligible
+        compute = {"forward": forward_seconds(params, tokens, flops, mfu),
+                   "backward": backward_seconds(params, tokens, flops, mfu)}
         for label, strategy, world, link, options in setups:
-            units = math.ceil(psi / DDP_BUCKET_BYTES) if strategy == "ddp" else blocks + 1
-            comm = sum(step_comm_seconds(strategy, psi, world, link, units=units, **options).values())
-            rows.append({"model": model, "setup": label, "strategy": strategy, "comm ms": round(comm * 1e3, 1),
-                         "backward ms": round(compute * 1e3, 1), "hides": comm <= compute,
-                         "min tokens": math.ceil(comm * tokens / compute)})
+            comm = step_comm_seconds(strategy, world, units, link, param_bytes=grad_bytes, **options)
+            need = max(sum(comm[phase].values()) / compute[phase] for phase in compute)
+            total = sum(sum(v.values()) for v in comm.values())
+            rows.append({"model": model, "setup": label, "strategy": strategy, "comm ms": round(total * 1e3, 1),
+                         "compute ms": round(sum(compute.values()) * 1e3, 1), "hides": need <= 1,
+                         "min tokens": math.ceil(need * tokens)})
     return rows

@@ -89,3 +89,66 @@ def ring_all_reduce_busbw(nbytes: float, world_size: int, alpha: float, beta: fl
     approaches beta for large messages; small ones are dominated by 2(N-1)*alpha."""
     return busbw("all_reduce", nbytes, ring_all_reduce_seconds(nbytes, world_size, alpha, beta),
                  world_size)
+
+
+def _unit_numels(units) -> list[int]:
+    """Elements per FSDP unit, the root last: from a model (one unit per block), from lists of
+    parameter shapes, or as given."""
+    import math
+
+    if hasattr(units, "named_parameters"):
+        from ..models import unit_numels
+
+        return unit_numels(units)
+    return [u if isinstance(u, int) else sum(math.prod(s) for s in u) for u in units]
+
+
+def step_bytes(strategy: str, world_size: int, units, *, reshard_after_forward: bool = True,
+               shard_group_size: int | None = None, param_bytes: int = 4,
+               reduce_bytes: int | None = None, by_phase: bool = False) -> dict:
+    """Bytes one rank sends per training step, by collective, as a ring sends them.
+
+    strategy: the vocabulary's names -- "ddp", "NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD",
+    "HYBRID_SHARD" (FSDP1) or "fully_shard" (FSDP2, with ``reshard_after_forward`` and, for
+    HSDP, ``shard_group_size``). units: the model (one FSDP unit per block, the rest the
+    root), or each unit's parameter count with the root last. param_bytes: bytes per
+    parameter as gathered (2 under a bf16 ``param_dtype``); reduce_bytes: per gradient element
+    as reduced (default: ``param_bytes``). by_phase: {"forward": {...}, "backward": {...}}
+    instead of the step's totals. With Ψ the parameters' bytes and N ranks:
+
+      ddp, NO_SHARD        all_reduce of the gradients (backward)        2(N-1)/N Ψ  ("≈ 2Ψ")
+      FULL_SHARD           all_gather in forward; in backward again for every unit but the
+      (fully_shard)        root (kept gathered between them), and a reduce_scatter of the
+                           gradients                                     (3Ψ - root)(N-1)/N  ("≈ 3Ψ")
+      SHARD_GRAD_OP        one all_gather (forward), one reduce_scatter   2(N-1)/N Ψ
+      (reshard_after_forward=False)
+      HYBRID_SHARD (R x F) FULL_SHARD inside each group of F ranks, then (backward) an
+                           all_reduce of each rank's 1/F shard across the R groups
+    """
+    numels = _unit_numels(units)
+    reduce_bytes = param_bytes if reduce_bytes is None else reduce_bytes
+    total, root = sum(numels), numels[-1]  # the root unit: gathered once, kept for backward
+    n = world_size
+    if strategy in ("ddp", "NO_SHARD"):
+        phases = {"forward": {}, "backward": {"all_reduce": reduce_bytes * total * bus_factor("all_reduce", n)}}
+    elif strategy in ("SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD", "fully_shard"):
+        group = shard_group_size if strategy == "HYBRID_SHARD" or shard_group_size else n
+        if group is None or n % group:
+            raise ValueError(f"{strategy} needs shard_group_size dividing world_size={n}, not {shard_group_size}")
+        reshard = reshard_after_forward and strategy != "SHARD_GRAD_OP"
+        phases = {"forward": {"all_gather": param_bytes * total * bus_factor("all_gather", group)},
+                  "backward": {"reduce_scatter": reduce_bytes * total * bus_factor("reduce_scatter", group)}}
+        if reshard:  # backward gathers every unit again, all but the root
+            phases["backward"]["all_gather"] = param_bytes * (total - root) * bus_factor("all_gather", group)
+        if n // group > 1:
+            phases["backward"]["all_reduce"] = reduce_bytes * total / group * bus_factor("all_reduce", n // group)
+    else:
+        raise ValueError(f"no step_bytes for strategy {strategy!r}; choose one of ddp, NO_SHARD, "
+                         "SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD, fully_shard")
+    if by_phase:
+        return phases
+    out: dict[str, float] = {}
+    for volume in phases.values():
+        for collective, nbytes in volume.items():
+            out[collective] = out.get(collective, 0.0) + nbytes
+    return out

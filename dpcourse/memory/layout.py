@@ -9,37 +9,12 @@ from __future__ import annotations
 
 import math
 
-from torch import nn
+from ..models import unit_shapes  # noqa: F401 -- the ledger's units come from the model
 
 
 def numel(shapes) -> int:
     """Elements in a list of parameter shapes."""
     return sum(math.prod(s) for s in shapes)
-
-
-def unit_shapes(model: nn.Module, unit_classes) -> list[list[tuple]]:
-    """Parameter shapes per FSDP unit: one unit per module of ``unit_classes``, the rest root.
-
-    Matches FSDP1's ``ModuleWrapPolicy`` and FSDP2 ``fully_shard`` applied to each such
-    module and then to the root. Units come children first; empty units are left out.
-    """
-    unit_classes = tuple(unit_classes)
-    units, claimed = [], set()
-    for module in model.modules():
-        if module is not model and isinstance(module, unit_classes):
-            params = [p for p in module.parameters() if id(p) not in claimed]
-            claimed.update(id(p) for p in params)
-            units.append([tuple(p.shape) for p in params])
-    root = [tuple(p.shape) for p in model.parameters() if id(p) not in claimed]
-    return [u for u in units + [root] if u]
-
-
-def model_units(model: nn.Module) -> list[list[tuple]]:
-    """``unit_shapes`` with one unit per module of the model's ``nn.ModuleList``s (its blocks):
-    what ``fully_shard`` on each block and then the root makes, or FSDP1's ``ModuleWrapPolicy``
-    of the block classes."""
-    classes = {type(m) for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst}
-    return unit_shapes(model, classes)
 
 
 def normalise_units(units, num_params: int) -> list[list[tuple]]:

@@ -115,7 +115,7 @@ def ledger(num_params: int, world_size: int, strategy: str, precision: str = "fp
     """Bytes one rank holds for ``num_params`` parameters (elements) under ``strategy``.
 
     num_params may be a model: its parameter count, and (unless ``units`` is given) one FSDP
-    unit per module of its ``nn.ModuleList``s plus the root (``layout.model_units``).
+    unit per module of its ``nn.ModuleList``s plus the root (``models.unit_shapes``).
 
     world_size: ranks in total. precision: "fp32"; "mixed" (2-byte parameters and
     gradients with an fp32 master copy, the ZeRO paper's recipe; FSDP keeps its sharded
@@ -125,7 +125,7 @@ def ledger(num_params: int, world_size: int, strategy: str, precision: str = "fp
     "adam", "adamw". shard_group_size: HYBRID_SHARD's ranks per shard group.
     rank: the rank asked about ("dp": 0 is the primary device; FSDP2 ``fully_shard`` gives
     the last ranks smaller optimizer-state chunks). units: the FSDP units, either numbers of
-    parameters (elements) or lists of parameter shapes (``layout.unit_shapes``); they make the
+    parameters (elements) or lists of parameter shapes (``models.unit_shapes``); they make the
     padding, step counters and transient unit sizes exact (default: one unit of
     ``num_params``). activation_bytes: per rank, e.g. from ``dpcourse.memory.activations``.
     foreach: the optimizer's multi-tensor path (default on CUDA) instead of the per-tensor one.
@@ -133,7 +133,7 @@ def ledger(num_params: int, world_size: int, strategy: str, precision: str = "fp
     if hasattr(num_params, "named_parameters"):  # a model: its size, and one unit per block
         model = num_params
         num_params = sum(p.numel() for p in model.parameters())
-        units = layout.model_units(model) if units is None else units
+        units = layout.unit_shapes(model) if units is None else units
     vocab.check_name("strategy", strategy, STRATEGIES, LedgerError)
     vocab.check_name("precision", precision, PRECISIONS, LedgerError)
     vocab.check_name("optimizer", optimizer, OPTIMIZERS, LedgerError)

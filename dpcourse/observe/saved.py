@@ -3,12 +3,15 @@
     acts = dpc.observe.Activations()
     cluster.run(train, observe=[acts])
     acts.peak(rank=0)          # most bytes saved for backward at once, over the call
+    acts.at_backward(rank=0)   # bytes held when each backward began (what forward left behind)
 
 A ``torch.autograd.graph.saved_tensors_hooks`` pair counts every tensor autograd saves, from
 the moment it is saved until autograd releases it (after the backward that used it).
 Parameters and views of them are left out (they are held anyway); a storage saved twice
-counts once; a saved view counts its whole storage. Activation checkpointing shows as a
-lower peak: a checkpointed block saves only its input and recomputes the rest in backward.
+counts once; a saved view counts its whole storage. Activation checkpointing shows in
+``at_backward``: a checkpointed block keeps only its input through forward (its own hooks
+take over inside it) and recomputes the rest when backward reaches it, one block at a time.
+A backward begins at the first saved tensor autograd unpacks after a forward saved some.
 """
 from __future__ import annotations
 
@@ -36,6 +39,8 @@ class Activations:
     # --- on the rank -----------------------------------------------------------------
     def __enter__(self):
         self.live = self.peak_bytes = 0
+        self.backward_starts: list[int] = []
+        self._packing = False
         self._count: dict[int, int] = {}
         self._size: dict[int, int] = {}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -50,6 +55,7 @@ class Activations:
         base = t if t._base is None else t._base  # a Linear saves its weight transposed: a view
         if base.is_leaf and base.requires_grad:  # a parameter (sharded or gathered): not an activation
             return t
+        self._packing = True
         key = t.untyped_storage().data_ptr()
         if self._count.get(key, 0) == 0:
             self._size[key] = t.untyped_storage().nbytes()
@@ -65,19 +71,28 @@ class Activations:
         if self._count[key] == 0:
             self.live -= self._size.pop(key)
 
-    @staticmethod
-    def _unpack(saved):
+    def _unpack(self, saved):
+        if self._packing:  # the first unpack after packing: a backward begins
+            self._packing = False
+            self.backward_starts.append(self.live)
         return saved.tensor if isinstance(saved, _Saved) else saved
 
     def result(self) -> dict:
-        return {"peak": self.peak_bytes, "live": self.live}
+        return {"peak": self.peak_bytes, "live": self.live, "at_backward": list(self.backward_starts)}
 
     # --- in the kernel -----------------------------------------------------------------
     def collect(self, per_rank: list) -> None:
         self.per_rank = per_rank
 
-    def peak(self, rank: int = 0) -> int:
-        """Most bytes ``rank`` had saved for backward at one moment of the call."""
+    def _rank(self, rank: int) -> dict:
         if self.per_rank is None:
             raise RuntimeError("nothing observed yet: pass this observer to cluster.run(fn, observe=[acts])")
-        return self.per_rank[rank]["peak"]
+        return self.per_rank[rank]
+
+    def peak(self, rank: int = 0) -> int:
+        """Most bytes ``rank`` had saved for backward at one moment of the call."""
+        return self._rank(rank)["peak"]
+
+    def at_backward(self, rank: int = 0) -> list[int]:
+        """Bytes ``rank`` held saved for backward when each of its backward passes began."""
+        return self._rank(rank)["at_backward"]

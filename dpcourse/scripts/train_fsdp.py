@@ -11,9 +11,9 @@ On 2 machines with 8 GPUs each, the same command on both (HEAD is the first mach
 
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=HEAD:29500 train_fsdp.py
 
-From the course notebook, on its ranks:
+From the course notebook, on its ranks (what `torchrun --standalone` would do):
 
-    cluster.run_script(dpc.scripts.path("train_fsdp"), "--batch-size", "16", "--out", "model.pt")
+    cluster.run_script("train_fsdp.py", "--batch-size", "16", "--out", "model.pt")
 
 --batch-size is per rank, as in train_ddp.py: the 2-process command above trains exactly
 what `python train_single.py --batch-size 32` trains (to float rounding; the dataset size
