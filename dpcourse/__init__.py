@@ -22,8 +22,7 @@ def load_ipython_extension(ipython) -> None:
 
 # Subpackages load on first use (dpc.train, dpc.viz, ...): `import dpcourse` stays cheap, and
 # the launcher and ranks, which import it, never load drawing code they do not use.
-_SUBPACKAGES = ("collectives", "exercises", "hangs", "memory", "models", "observe", "pitfalls", "practice", "scratch",
-               "scripts", "train", "viz")
+_SUBPACKAGES = ("collectives", "exercises", "memory", "models", "observe", "scratch", "scripts", "train", "viz")
 
 
 def __getattr__(name):

@@ -63,6 +63,29 @@ MODELS = ("mlp", "transformer", "tied_transformer")
 OPTIMIZERS = {"sgd": 0, "sgd_momentum": 1, "adam": 2, "adamw": 2}
 
 
+def shard_group(strategy: str, world_size: int, shard_group_size: int | None, error=ValueError) -> int:
+    """The ranks one copy of the model is sharded over under ``strategy`` -- the one check of
+    HYBRID_SHARD's (and FSDP2's 2-D mesh's) ``shard_group_size``, with the arithmetic in its message.
+
+    1 for the replicating strategies (dp, ddp, NO_SHARD); ``shard_group_size`` for
+    HYBRID_SHARD and for ``fully_shard`` on a (replicate, shard) mesh; else ``world_size``.
+    """
+    hybrid = strategy == "HYBRID_SHARD" or (strategy == "fully_shard" and shard_group_size is not None)
+    if hybrid:
+        if shard_group_size is None:
+            raise error("HYBRID_SHARD needs shard_group_size: the ranks that share one copy of the "
+                        "model (usually the GPUs of one node), e.g. shard_group_size=8")
+        if isinstance(shard_group_size, bool) or not isinstance(shard_group_size, int) or shard_group_size < 1 \
+                or world_size % shard_group_size:
+            raise error(f"shard_group_size={shard_group_size!r} must be a whole number that divides "
+                        f"world_size={world_size}: replicas x shard group = world size")
+        return shard_group_size
+    if shard_group_size is not None:
+        raise error(f"shard_group_size only applies to HYBRID_SHARD (and fully_shard on a 2-D mesh), "
+                    f"not {strategy!r}; leave it out (other strategies shard over the whole world or not at all)")
+    return 1 if strategy in ("dp", "ddp", "NO_SHARD") else world_size
+
+
 def check_name(what: str, value, allowed, error=ValueError) -> None:
     """Raise ``error`` naming the valid choices when ``value`` is not one of ``allowed``."""
     if value not in allowed:

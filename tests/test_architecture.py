@@ -68,7 +68,8 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_no_import_cycle_between_rooms():
     graph = room_graph()
-    assert graph["train"] and "memory" not in graph["train"], "train measures through hooks, not memory"
+    assert graph["train"] and "memory" not in graph["train"], "train measures through observers, not memory"
+    assert "train" not in graph["scratch"], "the from-scratch algorithms import nothing from the runner"
     cycle = find_cycle(graph)
     assert cycle is None, "rooms import each other: " + " -> ".join(cycle)
 
@@ -81,4 +82,5 @@ def test_the_cycle_finder_finds_one():
 def test_leaf_rooms_import_no_other_room():
     graph = room_graph()
     assert graph["pool"] <= {"backends"}  # the pool runs anything, knows nothing of the lessons
-    assert "collectives" not in graph or graph["collectives"] <= {"pool", "backends"}
+    assert "collectives" not in graph or graph["collectives"] <= {"pool", "backends", "vocab", "models"}
+    assert graph["observe"] <= {"pool", "collectives", "memory", "vocab", "models", "backends"}

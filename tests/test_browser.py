@@ -32,16 +32,15 @@ pytestmark = pytest.mark.browser
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = "/usr/bin/chromium"
 ARTIFACTS = ROOT / "out" / "browser"
-NOTEBOOKS = ["4.1-data-parallelism-in-depth.ipynb", "4.2-pytorch-data-parallelism-in-practice.ipynb"] + \
+NOTEBOOKS = sorted(p.name for p in (ROOT / "notebooks").glob("4*.ipynb")) + \
     sorted(f"exercises/{p.name}" for p in (ROOT / "notebooks" / "exercises").glob("*.ipynb"))
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 LOCAL_HOSTS = {"127.0.0.1", "localhost"}
-FIGURES = ["draw_bucket_sweep(", "plot_bars("]  # figures whose screenshots are kept for a look
+FIGURES = ["draw_bucket_sweep(", "plot_memory(", "draw_collectives("]  # figures whose screenshots are kept for a look
 # the interactive widgets each notebook must have, so their checks below can never be skipped
-MOVED = {"4.1-data-parallelism-in-depth.ipynb": ["RingPlayer(", "LedgerPlayer(", "MemoryCalculator(",
-                                                 "bucket_panel("],
-         "4.2-pytorch-data-parallelism-in-practice.ipynb": ["cluster_status("]}
+MOVED = {"4.1-data-parallelism-in-depth.ipynb": ["RingPlayer(", "LedgerPlayer(", "MemoryCalculator(", "Panel("],
+         "4.2a-communication-and-ddp.ipynb": ["cluster_status("], "4.2b-fsdp.ipynb": ["Panel("]}
 TOKEN = "browser-test"
 # no news, no update checks: nothing in JupyterLab itself may reach out of this machine
 SETTINGS = {"@jupyterlab/apputils-extension/notification.jupyterlab-settings":
@@ -187,8 +186,8 @@ def test_notebook_runs_in_the_browser(lab, browser, name):
             _check_slider_redraws(nb, "LedgerPlayer(")
         if "MemoryCalculator(" in nb.sources():
             _check_calculator(nb)
-        if "bucket_panel(" in nb.sources():
-            _check_panel(nb, "bucket_panel(")
+        if "Panel(" in nb.sources():
+            _check_panel(nb, "Panel(")
         if "cluster_status(" in nb.sources():
             _check_status(nb)
         for marker in MOVED.get(name, []):  # only the widgets the checks moved have a new picture

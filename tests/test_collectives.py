@@ -250,19 +250,19 @@ def test_ring_on_a_subgroup(cluster, which):
     assert out[0::2] == [(True, len(range(0, n, 2)))] * len(range(0, n, 2))
 
 
-def _subgroup_records():
-    from dpcourse.collectives.meter import C10dMeter
-
+def _subgroup_all_reduce():
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    mine = pairs[dist.get_rank() // 2]
-    with C10dMeter() as meter:
-        dist.all_reduce(torch.ones(8), group=mine)
-    return [(r.collective, r.world_size, r.logical_sent) for r in meter.records]
+    dist.all_reduce(torch.ones(8), group=pairs[dist.get_rank() // 2])
 
 
-def test_meter_counts_a_subgroup_collective_with_the_subgroup_size(cluster4):
+def test_comm_counts_a_subgroup_collective_with_the_subgroup_size(cluster4):
     # 8 floats all-reduced among 2 ranks: each sends 2(2-1)/2 * 32 bytes, not 2(4-1)/4 * 32.
-    assert cluster4.run(_subgroup_records) == [[("all_reduce", 2, 32)]] * 4
+    comm = dpc.observe.Comm()
+    cluster4.run(_subgroup_all_reduce, observe=[comm])
+    for rank in range(4):
+        seen = [(r.collective, r.world_size, r.logical_sent, r.group_ranks) for r in comm.records(rank)
+                if r.collective == "all_reduce"]
+        assert seen == [("all_reduce", 2, 32, (0, 1) if rank < 2 else (2, 3))]
 
 
 # --- the teaching ring stays plain: what the course prints fits one screen ------------------

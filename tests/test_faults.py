@@ -23,7 +23,7 @@ import torch
 
 import dpcourse as dpc
 from dpcourse import models
-from dpcourse.train import FullState, TrainConfig, checkpoint, train
+from dpcourse.train import TrainConfig, checkpoint, train
 from conftest import kill_tree
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,7 +39,7 @@ def uninterrupted(cluster2):
     def run(steps: int) -> dict:
         if steps not in cache:
             cfg = TrainConfig(steps=steps, progress=False, **OPTIONS)
-            cache[steps] = cluster2.run(train, cfg, [FullState()])[0]
+            cache[steps] = cluster2.run(train, cfg, full_state=True)[0]
         return cache[steps]
     return run
 
@@ -185,7 +185,7 @@ def test_kill_9_at_each_point_of_a_checkpoint_write(cluster2, uninterrupted, tmp
         assert os.path.exists(os.path.join(partial, ".metadata")) == (point == "before-barrier")
         with pytest.raises(FileNotFoundError, match="no progress.json completion mark"):
             checkpoint.load_weights(partial, models.build_model("mlp"))
-    rest = cluster2.run(train, cfg, [FullState()])[0]
+    rest = cluster2.run(train, cfg, full_state=True)[0]
     print(f"\npool, kill -9 of rank {rank} at {point} of the step-10 checkpoint: 10 steps done, "
           f"resumed from step {rest['first_step']}: {10 - rest['first_step']} steps redone")
     assert rest["first_step"] == newest

@@ -1,4 +1,4 @@
-"""PyTorch's own collectives on real ranks: the live tour and the byte meter."""
+"""PyTorch's own collectives on real ranks: each by its definition, and the Comm observer's bytes."""
 from __future__ import annotations
 
 import pytest
@@ -6,8 +6,7 @@ import torch
 import torch.distributed as dist
 
 import dpcourse as dpc
-from dpcourse.collectives import (COLLECTIVES, Trace, bytes_sent_per_rank, expected_after,
-                                  measure_bytes_sent, ring_reduce_scatter, run_collective)
+from dpcourse.collectives import Trace, bytes_sent_per_rank, expected_after, ring_reduce_scatter
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -18,62 +17,121 @@ def cluster(request):
         yield c
 
 
-@pytest.mark.parametrize("collective", [c for c in COLLECTIVES if c != "barrier"])
-def test_every_collective_live_matches_its_definition(cluster, collective):
-    result = run_collective(cluster, collective, numel=3, root=1)
-    want = expected_after(collective, result.before, root=1)
-    for got, expected in zip(result.after, want):
-        assert (got is None) == (expected is None)
-        if got is not None:
-            assert torch.equal(got, expected), (collective, got, expected)
+def _tour(root):
+    """On every rank: (before, after) of every collective, keyed by the call as written."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+
+    def mine(k=3):
+        return 10 * (rank + 1) + torch.arange(k)
+
+    tour = {}
+    t = mine()
+    dist.broadcast(t, src=root)
+    tour[f"broadcast(t, src={root})"] = (mine(), t)
+    t = mine()
+    dist.reduce(t, dst=root)
+    tour[f"reduce(t, dst={root})"] = (mine(), t if rank == root else None)
+    t = mine()
+    dist.all_reduce(t)
+    tour["all_reduce(t)"] = (mine(), t)
+    parts = [torch.zeros(3, dtype=torch.int64) for _ in range(n)]
+    dist.all_gather(parts, mine())
+    tour["all_gather(parts, t)"] = (mine(), torch.cat(parts))
+    part = torch.zeros(3, dtype=torch.int64)
+    dist.reduce_scatter_tensor(part, mine(3 * n))
+    tour["reduce_scatter_tensor(part, t)"] = (mine(3 * n), part)
+    got = torch.zeros(n, dtype=torch.int64)
+    dist.all_to_all_single(got, mine(n))
+    tour["all_to_all_single(got, t)"] = (mine(n), got)
+    parts = [torch.zeros(3, dtype=torch.int64) for _ in range(n)] if rank == root else None
+    dist.gather(mine(), parts, dst=root)
+    tour[f"gather(t, parts, dst={root})"] = (mine(), torch.cat(parts) if parts else None)
+    part = torch.zeros(3, dtype=torch.int64)
+    dist.scatter(part, list(mine(3 * n).chunk(n)) if rank == root else None, src=root)
+    tour[f"scatter(part, pieces, src={root})"] = (mine(3 * n) if rank == root else None, part)
+    return tour
 
 
-def test_barrier_lets_no_rank_leave_before_the_last_arrives(cluster):
-    result = run_collective(cluster, "barrier")
-    last_arrival = max(b.item() for b in result.before)
-    assert last_arrival >= 50 * (cluster.world_size - 1) * 0.9  # ranks arrive 50 ms apart
-    assert all(a.item() >= last_arrival for a in result.after)
+@pytest.mark.parametrize("root", [0, 1])
+def test_every_collective_matches_its_definition(cluster, root):
+    tour = cluster.run(_tour, root)
+    for call in tour[0]:
+        before, after = [r[call][0] for r in tour], [r[call][1] for r in tour]
+        for got, want in zip(after, expected_after(call, before)):
+            assert (got is None) == (want is None), call
+            if got is not None:
+                assert torch.equal(got, want), (call, got, want)
 
 
-def test_live_input_errors(cluster):
-    with pytest.raises(ValueError, match="unknown collective 'allreduce'"):
-        run_collective(cluster, "allreduce")
-    with pytest.raises(ValueError, match="root must be a rank"):
-        run_collective(cluster, "broadcast", root=cluster.world_size)
+def test_a_wrong_call_text_is_named():
+    with pytest.raises(ValueError, match="not a torch.distributed collective call: 'allreduce"):
+        expected_after("allreduce(t)", [torch.ones(1)])
+    with pytest.raises(ValueError, match="root 3 of 'broadcast"):
+        expected_after("broadcast(t, src=3)", [torch.ones(1)] * 2)
 
 
 NUMEL = 60 * 4096  # 960 KiB of float32, divisible by 2, 3, 4, 5
 
 
-def _bytes_of_each():
-    n = dist.get_world_size()
-    x = torch.ones(NUMEL)
-    out = {}
-    out["all_reduce"] = measure_bytes_sent(dist.all_reduce, x.clone())
-    out["reduce_scatter"] = measure_bytes_sent(
-        dist.reduce_scatter, torch.empty(NUMEL // n), list(x.clone().chunk(n)))
-    out["all_gather"] = measure_bytes_sent(
-        dist.all_gather, [torch.empty(NUMEL // n) for _ in range(n)], x[:NUMEL // n].clone())
+def _each_collective():
+    n, x = dist.get_world_size(), torch.ones(NUMEL)
+    dist.all_reduce(x.clone())
+    dist.reduce_scatter(torch.empty(NUMEL // n), list(x.clone().chunk(n)))
+    dist.all_gather([torch.empty(NUMEL // n) for _ in range(n)], x[:NUMEL // n].clone())
     trace = Trace()
-    out["ring_reduce_scatter"] = measure_bytes_sent(ring_reduce_scatter, x.clone(), trace=trace)
-    return out, sum(t.nbytes for t in trace.transfers)
+    ring_reduce_scatter(x.clone(), trace=trace)
+    return sum(t.nbytes for t in trace.transfers)
 
 
-def test_byte_meter_gloo_reduce_scatter_sends_like_all_reduce_ours_half(cluster):
+def test_comm_observer_gloo_reduce_scatter_sends_like_all_reduce_ours_half(cluster):
+    """Logical bytes: what the c10d ops were asked to move, as a ring moves them. On the wire
+    (measured with per-collective steps): Gloo's reduce_scatter moves what its all_reduce moves,
+    our ring reduce-scatter (N-1)/N."""
     n, size = cluster.world_size, NUMEL * 4
-    for rank, (out, traced) in enumerate(cluster.run(_bytes_of_each)):
-        wire = {k: v.wire for k, v in out.items()}
-        # the wire, measured: Gloo's reduce_scatter moves what its all_reduce moves ...
-        assert wire["all_reduce"] == pytest.approx(2 * (n - 1) / n * size, rel=0.02)
+    comm = dpc.observe.Comm()
+    traced = cluster.run(_each_collective, observe=[comm])
+    for rank in range(n):
+        records = comm.records(rank)
+        collectives = [r.collective for r in records if r.collective not in ("send", "recv")]
+        assert collectives[:3] == ["all_reduce", "reduce_scatter", "all_gather"]
+        logical = {r.collective: r.logical_sent for r in records[:3]}
+        assert logical == {"all_reduce": round(2 * (n - 1) / n * size), "reduce_scatter": round((n - 1) / n * size),
+                           "all_gather": round((n - 1) / n * size)}
+        sends = [r for r in records if r.collective == "send"]
+        assert sum(r.nbytes for r in sends) == traced[rank]
+        assert traced[rank] == bytes_sent_per_rank("ring_reduce_scatter", n, NUMEL, 4)[rank]
+        assert all(r.end is not None and r.end >= r.start for r in records[:3])
+
+
+def _wire_of(what):
+    n, x = dist.get_world_size(), torch.ones(NUMEL)
+    model = torch.nn.Linear(1, 1)  # one optimizer step per collective: the observer splits by step
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    for name in what:
+        if name == "all_reduce":
+            dist.all_reduce(x.clone())
+        elif name == "reduce_scatter":
+            dist.reduce_scatter(torch.empty(NUMEL // n), list(x.clone().chunk(n)))
+        elif name == "ring_reduce_scatter":
+            ring_reduce_scatter(x.clone())
+        dist.barrier()  # every message written before the step ends
+        opt.step()
+
+
+def test_wire_bytes_per_step_show_gloos_reduce_scatter(cluster):
+    n, size = cluster.world_size, NUMEL * 4
+    comm = dpc.observe.Comm()
+    what = ["all_reduce", "reduce_scatter", "ring_reduce_scatter"]
+    cluster.run(_wire_of, what, observe=[comm])
+    for rank in range(n):
+        wire = dict(zip(what, (comm.wire(rank, step) for step in range(3))))
+        assert wire["all_reduce"] == pytest.approx(2 * (n - 1) / n * size, rel=0.03)
         assert wire["reduce_scatter"] == pytest.approx(wire["all_reduce"], rel=0.05)
-        assert wire["all_gather"] == pytest.approx((n - 1) / n * size, rel=0.02)
-        # ... while our ring reduce-scatter sends (N-1)/N, on the wire and in its trace
-        assert wire["ring_reduce_scatter"] == pytest.approx((n - 1) / n * size, rel=0.02)
-        assert wire["ring_reduce_scatter"] < 0.6 * wire["reduce_scatter"]
-        assert traced == bytes_sent_per_rank("ring_reduce_scatter", n, NUMEL, 4)[rank]
-        # logical bytes from the c10d ops: what a bandwidth-optimal algorithm sends
-        assert out["all_reduce"].logical == round(2 * (n - 1) / n * size)
-        assert out["reduce_scatter"].logical == round((n - 1) / n * size)
-        assert [r.collective for r in out["all_reduce"].records] == ["all_reduce"]
-        sends = [r for r in out["ring_reduce_scatter"].records if r.collective == "send"]
-        assert sum(r.nbytes for r in sends) == traced  # the c10d ops see what the trace says
+        assert wire["ring_reduce_scatter"] == pytest.approx((n - 1) / n * size, rel=0.03)
+
+
+def test_observers_are_checked_before_anything_runs(cluster):
+    with pytest.raises(TypeError, match="observe= takes observers"):
+        cluster.run(lambda: None, observe=[object()])
+    with pytest.raises(RuntimeError, match="nothing observed yet"):
+        dpc.observe.Comm().bytes()

@@ -7,20 +7,51 @@ matplotlib.use("Agg")
 
 import pytest  # noqa: E402
 
-from dpcourse.memory import experiment, report  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import dpcourse as dpc  # noqa: E402
 from dpcourse.viz import calculator, memory  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 PNG = b"\x89PNG"
 
 
+def _train(strategy):
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = dpc.models.build_model("mlp")
+    model = DDP(model) if strategy == "ddp" else \
+        FSDP(model, device_id=torch.device("cpu"), auto_wrap_policy=ModuleWrapPolicy({type(model.blocks[0])}))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, y = dpc.models.make_dataset("mlp", 4, seed=dist.get_rank()).tensors
+    for _ in range(4):
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def measure(cluster, strategies=("ddp", "FULL_SHARD")):
+    """({name: Memory}, {name: [Ledger per rank]}) as the notebooks build them."""
+    measured, theory = {}, {}
+    mlp, acts = dpc.models.build_model("mlp"), dpc.memory.activation_bytes("mlp", 4)
+    for name in strategies:
+        measured[name] = dpc.observe.Memory()
+        cluster.run(_train, name, observe=[measured[name]])
+        theory[name] = [dpc.memory.ledger(mlp, cluster.world_size, name, optimizer="adam", rank=r,
+                                          activation_bytes=acts) for r in range(cluster.world_size)]
+    return measured, theory
+
+
 @pytest.fixture(scope="module")
 def measured(cluster2):
-    return experiment.measure_all(cluster2, [("ddp", {}), ("FULL_SHARD", {})], model="mlp", batch_size=4)
+    return measure(cluster2)
 
 
 def test_bars_stack_theory_beside_measurement(measured):
-    fig = memory.plot_bars(measured, unit="KiB")
+    fig = dpc.viz.plot_memory(*measured, unit="KiB")
     ax = fig.axes[0]
     bars = [p for p in ax.patches if p.get_height() > 0]
     ddp_cats, fsdp_cats = 4, 3  # ddp: params, grads, optimizer, buckets; FSDP: no buckets
@@ -29,7 +60,8 @@ def test_bars_stack_theory_beside_measurement(measured):
     for bar in bars:  # stacks end at the at-rest totals, in KiB
         x = round(bar.get_x() + bar.get_width() / 2, 2)
         tops[x] = max(tops.get(x, 0), bar.get_y() + bar.get_height())
-    expected = [report.compare(c[0])["total"] for c in measured]
+    mem, books = measured
+    expected = [(books[n][0].total, sum(mem[n].at_rest(0).get(c, 0) for c in dpc.memory.AT_REST)) for n in mem]
     assert sorted(tops) == [-0.2, 0.2, 0.8, 1.2]
     assert [tops[x] for x in sorted(tops)] == pytest.approx(
         [expected[0][0] / 1024, expected[0][1] / 1024, expected[1][0] / 1024, expected[1][1] / 1024])
@@ -37,17 +69,20 @@ def test_bars_stack_theory_beside_measurement(measured):
 
 
 def test_timeline_has_one_panel_per_strategy_with_the_theory_outline(measured):
-    fig = memory.plot_timeline(measured)
+    mem, books = measured
+    fig = dpc.viz.plot_memory(mem, books, over="step")
     assert len(fig.axes) == 2
-    for ax, config in zip(fig.axes, measured):
+    for ax, name in zip(fig.axes, mem):
         theory_line = [line for line in ax.get_lines() if line.get_linestyle() == "--"][0]
-        assert max(theory_line.get_ydata()) == pytest.approx(report.theory_for(config[0]).peak / 1024)
-        assert len(ax.get_xticklabels()) == len(config[0]["frames"])
+        assert max(theory_line.get_ydata()) == pytest.approx(books[name][0].peak / 1024)
+        assert len(ax.get_xticklabels()) == len(mem[name].frames(0))
+    with pytest.raises(ValueError, match="over must be 'strategy' or 'step'"):
+        dpc.viz.plot_memory(mem, books, over="rank")
 
 
 def test_player_walks_the_recorded_step(measured):
-    player = memory.LedgerPlayer(measured)
-    frames = len(measured[0][0]["frames"])
+    player = dpc.viz.LedgerPlayer(*measured)
+    frames = len(measured[0]["ddp"].frames(0))
     assert player.slider.max == player.play.max == frames - 1
     first = bytes(player.image.value)
     assert first.startswith(PNG)

@@ -8,8 +8,7 @@ import torch
 import dpcourse as dpc
 from dpcourse.collectives import (ALGORITHMS, Trace, bytes_sent_per_rank, chunk_bounds, num_steps,
                                   algorithm_steps, simulate)
-from dpcourse.collectives.live import (CALLS, COLLECTIVES, LiveResult, contributions,
-                                       expected_after, initial_tensor)
+from dpcourse.collectives.live import contributions, expected_after
 
 matplotlib.use("Agg")
 SIZES = [(n, numel) for n in (1, 2, 3, 4, 5) for numel in (0, 1, n - 1, 7, 64)]
@@ -94,13 +93,14 @@ def test_bad_inputs_are_named():
 
 @pytest.mark.parametrize("n", [1, 2, 4])
 def test_expected_after_follows_the_definitions(n):
-    before = [initial_tensor("all_to_all", r, n, 2) for r in range(n)]
-    after = expected_after("all_to_all", before)
+    before = [10 * (r + 1) + torch.arange(2 * n) for r in range(n)]
+    after = expected_after("all_to_all_single(got, t)", before)
     assert all(after[r][2 * k:2 * k + 2].tolist() == before[k][2 * r:2 * r + 2].tolist()
                for r in range(n) for k in range(n))
-    who = contributions("reduce_scatter", n, 2)
+    who = contributions("reduce_scatter_tensor(part, t)", before)
     assert all(w == frozenset(range(n)) for row in who for w in row)
-    assert contributions("gather", n, 2)[0] == [frozenset([k]) for k in range(n) for _ in range(2)]
+    small = [torch.arange(2) for _ in range(n)]
+    assert contributions("gather(t, parts, dst=0)", small)[0] == [frozenset([k]) for k in range(n) for _ in range(2)]
 
 
 def test_drawings_never_need_processes():
@@ -108,11 +108,14 @@ def test_drawings_never_need_processes():
     fig = dpc.viz.plot_ring_trace(trace)
     assert len([ax for ax in fig.axes if ax.patches]) == 7  # start + 6 steps
     assert dpc.viz.render_frame_png(trace, trace.frames()[3])[:4] == b"\x89PNG"
-    results = []
-    for name in COLLECTIVES[:-1]:
-        before = [initial_tensor(name, r, 3, 2) for r in range(3)]
-        results.append(LiveResult(name, 3, 0, before, expected_after(name, before), CALLS[name]))
-    assert len(dpc.viz.draw_collectives(results).subfigs) == len(COLLECTIVES) - 1
+    calls = ["broadcast(t, src=1)", "all_reduce(t)", "all_gather(parts, t)", "reduce_scatter_tensor(part, t)",
+             "gather(t, parts, dst=0)"]
+    before = [10 * (r + 1) + torch.arange(6) for r in range(3)]
+    per_rank = [{} for _ in range(3)]
+    for call in calls:
+        for r, after in enumerate(expected_after(call, before)):
+            per_rank[r][call] = (before[r], after)
+    assert len(dpc.viz.draw_collectives(per_rank).subfigs) == len(calls)
 
 
 def test_player_steps_and_reruns_through_its_callable():

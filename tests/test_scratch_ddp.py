@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 
 import dpcourse as dpc
-from dpcourse.scratch import OverlapDDP, reference_steps, train_steps
-from dpcourse.scratch.timeline import Event
+from _training import parameters_around_backward, reference_steps, train_steps
+from dpcourse.scratch import OverlapDDP
 from dpcourse.train import TrainConfig
 
 pytestmark = pytest.mark.timeout(180)
@@ -92,7 +92,7 @@ def test_the_buggy_hook_averages_the_weights_from_the_second_step_on(cluster2):
     """Step 1: equal weights, local gradients, so the ranks step apart. From then on every
     backward replaces each rank's weights with the ranks' average: parameter averaging."""
     cfg = _cfg("tied_transformer", "sgd")
-    ranks = cluster2.run(dpc.scratch.parameters_around_backward, cfg, HookTakesGradDDP, steps=3)
+    ranks = cluster2.run(parameters_around_backward, cfg, HookTakesGradDDP, steps=3)
     first, later = [r[0] for r in ranks], [r[1:] for r in ranks]
     assert torch.equal(first[0]["after_backward"], first[1]["after_backward"])
     for step in zip(*later):
@@ -100,7 +100,7 @@ def test_the_buggy_hook_averages_the_weights_from_the_second_step_on(cluster2):
         assert not torch.equal(*before)  # the ranks stepped with their own gradients
         for s in step:
             torch.testing.assert_close(s["after_backward"], (before[0] + before[1]) / 2)
-    correct = cluster2.run(dpc.scratch.parameters_around_backward, cfg, OverlapDDP, steps=3)
+    correct = cluster2.run(parameters_around_backward, cfg, OverlapDDP, steps=3)
     for r in correct:  # a correct DDP never touches the weights during backward
         assert all(torch.equal(s["before_backward"], s["after_backward"]) for s in r)
     assert torch.equal(correct[0][-1]["after_backward"], correct[1][-1]["after_backward"])
@@ -211,15 +211,18 @@ def test_an_unused_parameter_is_named_in_a_clear_error(cluster2, kind):
 
 
 def test_timelines_show_when_each_wrapper_communicates(cluster2):
+    """Observed from outside (dpc.observe.Timeline): naive all-reduces after backward, one per
+    parameter; the bucketed wrappers launch the first bucket while backward still computes."""
     cfg = _cfg("mlp", "sgd")
     by_kind = {}
     small = {"bucket_cap_mb": 0.004}
     for kind, options in (("naive", {}), ("bucketed", small), ("ddp", small)):
-        result = cluster2.run(train_steps, cfg, kind, record=True, **options)[0]
-        by_kind[kind] = [Event(**e) for e in result["timeline"]]
+        timeline = dpc.observe.Timeline()
+        result = cluster2.run(train_steps, cfg, kind, observe=[timeline], **options)[0]
+        by_kind[kind] = [e for e in timeline.events() if e.rank == 0]
         if kind == "bucketed":
-            assert {e.name for e in by_kind[kind] if e.kind == "all_reduce"} == \
-                {f"bucket {b['index']}" for b in result["buckets"]}
+            sizes = sorted(e.nbytes for e in by_kind[kind] if e.kind == "all_reduce")
+            assert sizes == sorted(b["nbytes"] for b in result["buckets"])
     for kind, events in by_kind.items():
         backward_end = max(e.end for e in events if e.kind == "backward")
         launches = sorted(e.start for e in events if e.lane == "comm")
@@ -232,62 +235,53 @@ def test_timelines_show_when_each_wrapper_communicates(cluster2):
         len([e for e in by_kind["ddp"] if e.lane == "comm"])
 
 
-def test_bucket_sweep_counts_the_buckets_it_planned(cluster2):
-    from dpcourse.collectives.alpha_beta import fit_alpha_beta, time_all_reduce
-    from dpcourse.scratch.sweep import bucket_bytes, bucket_sweep
-
-    cfg = _cfg("mlp", "sgd", steps=4)
-    caps = [0.001, 0.01, 25]
-    rows = cluster2.run(bucket_sweep, cfg, caps, record_steps=2)[0]
-    numels = [p.numel() for p in dpc.models.build_model("mlp", **cfg.model_sizes).parameters()]
-    for kind in ("bucketed", "ddp"):
-        mine = [r for r in rows if r["kind"] == kind]
-        assert [r["num_buckets"] for r in mine] == [len(bucket_bytes(numels, c)) for c in caps]
-        assert all(0 <= r["exposed_s"] <= r["comm_s"] and r["step_s"] > 0 for r in mine)
-    times = cluster2.run(time_all_reduce, [4096, 1 << 20, 8 << 20], repeats=7)[0]
-    alpha, beta = fit_alpha_beta(times, 2)
-    assert alpha >= 0 and beta > 0
-    with pytest.raises(ValueError, match="did not take longer"):
-        fit_alpha_beta({4096: 2e-3, 1 << 20: 1e-3}, 2)  # a noise-dominated pair
-
-
-def _observed_from_outside():
-    """A BucketedDDP observed only through its public hooks: a Timeline on ``comm_hook``,
-    and a list on ``grad_ready`` (wrapped on the instance, as an observer would)."""
-    from dpcourse.scratch import BucketedDDP, Timeline, observe_comm_hook
-
-    model = BucketedDDP(dpc.models.build_model("mlp", d_hidden=30, depth=3), bucket_cap_mb=0.004)
-    timeline, ready = Timeline(dist.get_rank()), []
-    observe_comm_hook(model, timeline)
-    grad_ready = model.grad_ready
-    model.grad_ready = lambda p: (ready.append(p), grad_ready(p))
-    x, y = dpc.models.make_dataset("mlp", 4, seed=dist.get_rank()).tensors
-    dpc.models.loss_fn("mlp", model(x), y).backward()
-    names = {p: n for n, p in model.module.named_parameters()}
-    return timeline.to_list(), [names[p] for p in ready], model.buckets.describe()
-
-
-def test_a_timeline_attaches_from_outside_through_the_public_hooks(cluster2):
-    for events, ready, buckets in cluster2.run(_observed_from_outside):
-        names = [n for n, _ in dpc.models.build_model("mlp", d_hidden=30, depth=3).named_parameters()]
-        assert ready == names[::-1]  # backward's order: the last layer's gradients first
-        comm = [e for e in events if e["lane"] == "comm"]
-        assert [(e["name"], e["nbytes"]) for e in sorted(comm, key=lambda e: e["start"])] == \
-            [(f"bucket {b['index']}", b["nbytes"]) for b in buckets]
-        assert all(e["kind"] == "all_reduce" and e["end"] >= e["start"] for e in comm)
+def test_the_timeline_sees_every_bucket_with_its_bytes_and_the_wait(cluster2):
+    """What the Timeline observer records of BucketedDDP equals the wrapper's own plan: one
+    all-reduce per bucket, of the bucket's bytes, launched in bucket order."""
+    cfg = _cfg("mlp", "sgd")
+    timeline = dpc.observe.Timeline()
+    result = cluster2.run(train_steps, cfg, "bucketed", bucket_cap_mb=0.004, observe=[timeline])[0]
+    comm = sorted((e for e in timeline.events() if e.lane == "comm" and e.rank == 0), key=lambda e: e.start)
+    assert [e.nbytes for e in comm] == [b["nbytes"] for b in result["buckets"]]
+    assert all(e.kind == "all_reduce" and e.end >= e.start for e in comm)
+    summary = timeline.summary(rank=0)
+    assert 0 <= summary["exposed_s"] <= summary["comm_s"] <= summary["step_s"]
+    assert summary["collectives"] == len(result["buckets"])
 
 
 def test_torch_ddp_starts_with_one_bucket_then_rebuilds_with_a_small_first_one(cluster2):
     """torch 2.13, default caps: iteration 0 all-reduces one bucket; afterwards the buckets
     are rebuilt in gradient-ready order, the first closed at 1 MiB, the others at 25 MiB --
     what assign_buckets gives over reverse registration order with first_bucket_cap_mb=1."""
-    from dpcourse.scratch.sweep import torch_ddp_buckets
-
     cfg = _cfg("transformer", "sgd", model_sizes={"d_model": 128, "n_layers": 4})
-    first, second, third = cluster2.run(torch_ddp_buckets, cfg, 3)[0]
+    first, second, third = cluster2.run(_torch_ddp_buckets, cfg, 3)[0]
     params = list(dpc.models.build_model("transformer", d_model=128, n_layers=4).named_parameters())[::-1]
     assert len(first) == 1 and set(first[0]) == {n for n, _ in params}
     plan = dpc.scratch.assign_buckets([p.numel() for _, p in params], [4] * len(params), 25,
                                       first_bucket_cap_mb=1)
     assert len(plan) == 2 and sum(params[i][1].numel() for i in plan[0]) * 4 >= 2**20
     assert [set(b) for b in second] == [{params[i][0] for i in b} for b in plan] == [set(b) for b in third]
+
+
+def _torch_ddp_buckets(cfg, iterations):
+    """The buckets torch DDP all-reduces in each backward pass, as parameter names (default caps)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = dpc.models.build_model(cfg.model, **cfg.model_sizes)
+    names = {p: n for n, p in model.named_parameters()}
+    seen: dict[int, list[str]] = {}
+
+    def hook(state, bucket):
+        seen[bucket.index()] = [names[p] for p in bucket.parameters()]
+        return allreduce_hook(state, bucket)
+
+    ddp = DDP(model)
+    ddp.register_comm_hook(None, hook)
+    x, y = dpc.models.make_dataset(cfg.model, cfg.batch_size, **cfg.model_sizes).tensors
+    out = []
+    for _ in range(iterations):
+        seen.clear()
+        dpc.models.loss_fn(cfg.model, ddp(x), y).backward()
+        out.append([seen[i] for i in sorted(seen)])
+    return out

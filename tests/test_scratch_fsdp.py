@@ -8,9 +8,8 @@ import torch
 from torch import nn
 
 import dpcourse as dpc
+from _training import reference_steps, train_steps
 from dpcourse.models import TransformerBlock
-from dpcourse.scratch import compare, reference_steps, train_steps
-from dpcourse.scratch.timeline import Event
 from dpcourse.train import TrainConfig
 
 pytestmark = pytest.mark.timeout(180)
@@ -70,31 +69,53 @@ def test_minifsdp_in_half_precision_stays_close(cluster2, dtype):
     # 3 SGD steps computed in 8- or 11-bit mantissas: loose, but far below the weights' scale
     _assert_matches(results, reference_steps(cfg, 2), 2e-2)
     assert all(p.dtype == torch.float32 for p in results[0]["params"].values())  # fp32 masters
-    steps = cluster2.run(compare.step_collectives, cfg, ("mini_fsdp",), compute_dtype=dtype)[0]["mini_fsdp"]
-    full = cluster2.run(compare.step_collectives, cfg, ("mini_fsdp",))[0]["mini_fsdp"]
+    steps = _step_collectives(cluster2, cfg, "mini_fsdp", compute_dtype=dtype)
+    full = _step_collectives(cluster2, cfg, "mini_fsdp")
     assert [(c, n // 2) for c, n in full] == steps  # gathered and reduced in 2-byte elements
+
+
+def _step_collectives(cluster, cfg, kind, **options) -> list[tuple[str, int]]:
+    """(collective, bytes S) of every c10d op rank 0 issued in the last step (``Comm``)."""
+    comm = dpc.observe.Comm()
+    if kind == "mini_fsdp":
+        options = {"shard_root": True, **options}  # units as FSDP1's: blocks, then the root
+    cluster.run(train_steps, cfg, kind, observe=[comm], **options)
+    return [(r.collective, r.nbytes) for r in comm.records(rank=0, step=-1)]
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_minifsdp_memory_at_rest_equals_the_ledger(request, world):
+    """Held after the last optimizer step (the Memory observer's walk) = the ledger: the
+    sharded units as FULL_SHARD, the replicated head as DDP with its gradients in place."""
     cluster = request.getfixturevalue(f"cluster{world}")
+    cfg = _cfg(optimizer="adamw")
+    plain = dpc.models.build_model("mlp", **cfg.model_sizes)
+    blocks = [[tuple(p.shape) for p in b.parameters()] for b in plain.blocks]
+    head = sum(p.numel() for p in plain.head.parameters())
     for options in ({}, {"shard_root": True}, {"compute_dtype": torch.bfloat16}):
-        measured = cluster.run(compare.memory_at_rest, _cfg(optimizer="adamw"), **options)
+        memory = dpc.observe.Memory()
+        cluster.run(train_steps, cfg, "mini_fsdp", observe=[memory], **options)
         precision = "mixed" if options.get("compute_dtype") else "fp32"
-        for m in measured:
-            expected = compare.expected_at_rest(m, "adamw", precision)
-            assert {k: m["held"][k] for k in expected} == expected, (options, m["rank"])
-            assert m["held"]["unsharded_parameters"] == 0  # every gathered unit was freed
-            assert bool(m["replicated"]) != bool(options.get("shard_root"))
+        units = blocks + ([[tuple(p.shape) for p in plain.head.parameters()]] if options.get("shard_root") else [])
+        for rank in range(world):
+            parts = [dpc.memory.ledger(sum(p.numel() for p in plain.parameters()) - (0 if options.get("shard_root") else head),
+                                       world, "FULL_SHARD", precision, "adamw", rank=rank, units=units)]
+            if not options.get("shard_root"):  # one flat fp32 tensor, its gradient in place
+                parts.append(dpc.memory.ledger(head, world, "ddp", "fp32", "adamw", rank=rank, units=[[(head,)]],
+                                               gradient_as_bucket_view=True))
+            held = memory.at_rest(rank)
+            for category in ("parameters", "gradients", "optimizer_state"):
+                assert held[category] == sum(p.bytes[category] for p in parts), (options, rank, category)
+            assert held["unsharded_parameters"] == 0  # every gathered unit was freed
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_minifsdp_sends_the_collectives_of_pytorch_fsdp(request, world):
     cluster = request.getfixturevalue(f"cluster{world}")
     for model in ("mlp", "transformer"):
-        steps = cluster.run(compare.step_collectives, _cfg(model))[0]
-        assert Counter(steps["mini_fsdp"]) == Counter(steps["fsdp"])
-        kinds = Counter(c for c, _ in steps["mini_fsdp"])
+        mini, fsdp = (_step_collectives(cluster, _cfg(model), kind) for kind in ("mini_fsdp", "fsdp"))
+        assert Counter(mini) == Counter(fsdp)
+        kinds = Counter(c for c, _ in mini)
         units = 4 if model == "mlp" else 3  # blocks + root
         assert kinds == {"all_gather": 2 * units - 1, "reduce_scatter": units}  # root gathered once
 
@@ -103,36 +124,36 @@ def test_our_ring_reduce_scatter_sends_less_than_gloos(cluster4):
     """Gloo's reduce-scatter sends 2(N-1)/N of its input (like an all-reduce), a ring (N-1)/N.
 
     The model is wide enough (126) that the data outweighs what both sides send besides
-    it (Gloo's per-message headers and notices, the ring's size check): with width 30 those
-    were a third of the difference."""
+    it (Gloo's per-message headers and notices, the ring's size check)."""
     cfg = _cfg(model_sizes={"d_hidden": 126, "depth": 3})
-    gloo = cluster4.run(compare.bytes_sent_per_step, cfg, "backend")
-    ring = cluster4.run(compare.bytes_sent_per_step, cfg, "ring")
-    saved = 3 / 4 * gloo[0]["reduce_scatter_bytes"]
-    for g, r in zip(gloo, ring):
-        assert 0.95 * saved <= g["wire"] - r["wire"] <= 1.1 * saved
+    wire, rs_bytes = {}, None
+    for how in ("backend", "ring"):
+        comm = dpc.observe.Comm()
+        cluster4.run(train_steps, cfg, "mini_fsdp", shard_root=True, reduce_scatter=how, observe=[comm])
+        wire[how] = [comm.wire(rank=r, step=-1) for r in range(4)]
+        if how == "backend":
+            rs_bytes = sum(r.nbytes for r in comm.records(0, -1) if r.collective == "reduce_scatter")
+    saved = 3 / 4 * rs_bytes
+    for g, r in zip(wire["backend"], wire["ring"]):
+        assert 0.95 * saved <= g - r <= 1.1 * saved
 
 
 def test_the_timeline_shows_the_fsdp_rhythm(cluster2):
-    """Recorded from outside (``MiniFSDPObserver`` on MiniFSDP's public steps and hooks)."""
-    result = cluster2.run(train_steps, _cfg(), "mini_fsdp", record=True)[0]
-    events = sorted((Event(**e) for e in result["timeline"]), key=lambda e: (e.start, e.end))
-    for unit in ("blocks.0", "blocks.1", "blocks.2"):
-        mine = sorted((e for e in events if e.name == unit), key=lambda e: e.start)
-        order = [e.kind for e in mine if e.kind != "unsharded"]
-        assert order == ["all_gather", "forward", "all_gather", "backward", "reduce_scatter"], (unit, order)
-        held = [e for e in mine if e.kind == "unsharded"]
-        gathers = [e for e in mine if e.kind == "all_gather"]
-        compute = [e for e in mine if e.kind in ("forward", "backward")]
-        assert len(held) == 2
-        for h, g, c in zip(held, gathers, compute):  # gathered before computing, freed right after
-            assert h.start <= g.start and g.end <= c.start and c.end <= h.end
-        rs = next(e for e in mine if e.kind == "reduce_scatter")
-        assert rs.start >= compute[1].end
-        waits = [e for e in events if e.kind == "wait" and e.name.endswith(" " + unit)]
-        assert {e.name.split()[0] for e in waits} == {"all_gather", "reduce_scatter"}
-    observed = cluster2.run(train_steps, _cfg(), "fsdp", record=True)[0]["timeline"]
-    assert {e["name"] for e in observed if e["lane"] == "comm"} == {"root", "blocks.0", "blocks.1", "blocks.2"}
+    """Observed from outside: per block, all-gather before its forward, again before its
+    backward, a reduce-scatter after its backward -- MiniFSDP and FSDP1 alike."""
+    for kind in ("mini_fsdp", "fsdp"):
+        timeline = dpc.observe.Timeline()
+        cluster2.run(train_steps, _cfg(), kind, observe=[timeline],
+                     **({"shard_root": True} if kind == "mini_fsdp" else {}))
+        events = sorted((e for e in timeline.events() if e.rank == 0), key=lambda e: e.start)
+        kinds = [e.kind for e in events if e.kind in ("all_gather", "reduce_scatter", "forward", "backward")]
+        first_backward = kinds.index("backward")
+        assert kinds[:first_backward].count("all_gather") == 4, kind       # every unit before forward
+        assert kinds[first_backward:].count("all_gather") == 3, kind       # the blocks again, not the root
+        assert kinds.count("reduce_scatter") == 4, kind
+        forward_layers = [e for e in events if e.kind == "forward"]
+        gathers = [e for e in events if e.kind == "all_gather"]
+        assert gathers[0].start < forward_layers[0].start
 
 
 def _bad_units(case):

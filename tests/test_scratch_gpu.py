@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import dpcourse as dpc
-from dpcourse.scratch import reference_steps, train_steps
+from _training import reference_steps, train_steps
 from dpcourse.train import TrainConfig
 
 pytestmark = [
@@ -22,17 +22,20 @@ def test_scratch_wrappers_on_gpus_equal_single_process_training():
     with dpc.Cluster(world_size=world_size, backend="nccl") as cluster:
         for kind, options in (("bucketed", {"bucket_cap_mb": 0.01}), ("overlap", {}),
                               ("mini_fsdp", {}), ("bucketed", {"sharded_optimizer": True})):
-            for r in cluster.run(train_steps, cfg, kind, seed_per_rank=True, record=True, **options):
+            for r in cluster.run(train_steps, cfg, kind, seed_per_rank=True, **options,
+                                  observe=[dpc.observe.Timeline(), dpc.observe.Comm()]):
                 for name, want in reference["params"].items():
                     torch.testing.assert_close(r["params"][name], want, rtol=1e-4, atol=1e-5, msg=name)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="nn.DataParallel needs 2 GPUs")
 def test_real_data_parallel_loads_the_primary_gpu_most():
-    from dpcourse.scratch.threaded_dp import measure_data_parallel_on_gpus
-
+    """What 4.1's DP section runs on GPUs: the primary device holds the gathered outputs."""
+    gpus = list(range(torch.cuda.device_count()))
     tokens, targets = dpc.models.make_dataset("transformer", 32, vocab_size=1024).tensors
-    peaks = measure_data_parallel_on_gpus(lambda: dpc.models.build_model("transformer", vocab_size=1024),
-                                          tokens, targets,
-                                          lambda out, t: dpc.models.loss_fn("transformer", out, t))
-    assert len(peaks) == torch.cuda.device_count() and peaks[0] > max(peaks[1:])
+    net = torch.nn.DataParallel(dpc.models.build_model("transformer", vocab_size=1024).cuda(), gpus)
+    for d in gpus:
+        torch.cuda.reset_peak_memory_stats(d)
+    dpc.models.loss_fn("transformer", net(tokens.cuda()), targets.cuda()).backward()
+    peaks = [torch.cuda.max_memory_allocated(d) for d in gpus]
+    assert peaks[0] > max(peaks[1:])

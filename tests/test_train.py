@@ -6,10 +6,9 @@ import os
 import pytest
 import torch
 
+import dpcourse as dpc
 from dpcourse import RankError
-from dpcourse.memory import MemoryProbe
-from dpcourse.train import (CommMeter, ConfigError, FullState, StepTimer, TrainConfig, checkpoint, train,
-                            train_single_process)
+from dpcourse.train import ConfigError, TrainConfig, checkpoint, train, train_single_process
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -55,7 +54,7 @@ def test_world_size_4_equals_single_process(cluster4, options):
 
 def test_final_parameters_equal_single_process(cluster2):
     cfg = TrainConfig(strategy="fsdp", steps=3, batch_size=4, progress=False, optimizer="sgd")
-    state = cluster2.run(train, cfg, [FullState()])[0]["state"]
+    state = cluster2.run(train, cfg, full_state=True)[0]["state"]
     reference = train_single_process(cfg, 2)["state"]
     assert state.keys() == reference.keys()
     for name in reference:
@@ -138,54 +137,85 @@ def test_a_bad_option_on_the_ranks_raises_before_training(cluster2):
         cluster2.run(train, TrainConfig(strategy="zero"))
 
 
-@pytest.mark.parametrize("options", [
-    dict(strategy="ddp"), dict(strategy="fsdp"), dict(strategy="fsdp", sharding_strategy="SHARD_GRAD_OP"),
-    dict(strategy="fsdp", sharding_strategy="NO_SHARD"), dict(strategy="fsdp", auto_wrap="size"),
-    dict(strategy="fully_shard"), dict(strategy="fully_shard", reshard_after_forward=False),
+def _ledger_strategy(cfg: TrainConfig) -> tuple[str, dict]:
+    """The vocabulary's strategy name and options of a runner configuration."""
+    if cfg.strategy == "ddp":
+        return "ddp", {"gradient_as_bucket_view": cfg.gradient_as_bucket_view}
+    if cfg.strategy == "fully_shard":
+        return "fully_shard", {"reshard_after_forward": cfg.reshard_after_forward}
+    return cfg.sharding_strategy, ({"shard_group_size": cfg.shard_group_size}
+                                   if cfg.sharding_strategy == "HYBRID_SHARD" else {})
+
+
+RUNNER_CONFIGS = [
+    dict(strategy="ddp"), dict(strategy="ddp", gradient_as_bucket_view=True),
+    dict(strategy="fsdp"), dict(strategy="fsdp", sharding_strategy="SHARD_GRAD_OP"),
+    dict(strategy="fsdp", sharding_strategy="NO_SHARD"),
     dict(strategy="fsdp", sharding_strategy="HYBRID_SHARD", shard_group_size=2),
-], ids=lambda o: "-".join(map(str, o.values())))
+    dict(strategy="fully_shard"), dict(strategy="fully_shard", reshard_after_forward=False),
+]
+
+
+@pytest.mark.parametrize("options", RUNNER_CONFIGS, ids=lambda o: "-".join(map(str, o.values())))
 def test_bytes_per_step_measured_from_pytorch_equal_the_theory(cluster4, options):
-    """The logical bytes of the c10d ops DDP/FSDP really call, unit by unit, equal volume.step_bytes."""
-    comm = cluster4.run(train, TrainConfig(steps=3, batch_size=4, progress=False, **options), [CommMeter()])[0]["comm"]
-    assert comm["measured"] == pytest.approx(comm["theory"], abs=1)
-    assert comm["wire"] >= 0.98 * comm["gloo_wire_theory"]  # Gloo's own bytes, plus headers
+    """The logical bytes of the c10d ops DDP/FSDP really call, unit by unit, equal step_bytes;
+    on Gloo's wire the reduce-scatter counts twice (it sends what an all-reduce sends)."""
+    cfg = TrainConfig(steps=4, batch_size=4, progress=False, **options)
+    comm = dpc.observe.Comm()
+    cluster4.run(train, cfg, observe=[comm])
+    strategy, extra = _ledger_strategy(cfg)
+    extra.pop("gradient_as_bucket_view", None)
+    theory = dpc.collectives.step_bytes(strategy, 4, dpc.models.build_model(cfg.model), **extra)
+    for rank in range(4):  # the runner also all-reduces each step's loss (4 bytes): left out
+        sent: dict[str, int] = {}
+        for r in comm.records(rank, step=-1):
+            if r.nbytes > 4 and r.logical_sent:
+                sent[r.collective] = sent.get(r.collective, 0) + r.logical_sent
+        assert sent == pytest.approx(theory, abs=1), rank
+        gloo = sum(v * (2 if c == "reduce_scatter" else 1) for c, v in theory.items())
+        assert comm.wire(rank, step=-1) >= 0.98 * gloo  # Gloo's own bytes, plus headers
 
 
 def test_step_volume_formulas():
-    from dpcourse.train import volume
+    from dpcourse.collectives import step_bytes
 
-    psi = 1000 * 4
+    psi, n = 1000 * 4, 4
+    units = [1000, 0]  # one block of 1000 parameters, an empty root
     # DDP: 2(N-1)/N Ψ; FULL_SHARD: 3(N-1)/N Ψ when everything sits in wrapped units.
-    assert volume.step_bytes("ddp", 4, [psi]) == {"all_reduce": 2 * 3 / 4 * psi}
-    full = volume.step_bytes("fsdp", 4, [psi])
+    assert step_bytes("ddp", n, units) == {"all_reduce": 2 * 3 / 4 * psi}
+    full = step_bytes("FULL_SHARD", n, units)
     assert sum(full.values()) == pytest.approx(3 * 3 / 4 * psi)
-    assert sum(full.values()) / sum(volume.step_bytes("ddp", 4, [psi]).values()) == pytest.approx(1.5)
+    assert sum(full.values()) / sum(step_bytes("ddp", n, units).values()) == pytest.approx(1.5)
     # The root unit is gathered once: its bytes count 2x, a block's 3x.
-    assert sum(volume.step_bytes("fsdp", 2, [], root_bytes=psi).values()) == pytest.approx(2 * psi / 2)
-    assert volume.step_bytes("fsdp", 4, [psi], sharding_strategy="SHARD_GRAD_OP") == \
-        volume.step_bytes("fully_shard", 4, [psi], reshard_after_forward=False)
-    hybrid = volume.step_bytes("fsdp", 4, [psi], sharding_strategy="HYBRID_SHARD", shard_group_size=2)
+    assert sum(step_bytes("FULL_SHARD", 2, [1000]).values()) == pytest.approx(2 * psi / 2)
+    assert step_bytes("SHARD_GRAD_OP", n, units) == step_bytes("fully_shard", n, units, reshard_after_forward=False)
+    hybrid = step_bytes("HYBRID_SHARD", n, units, shard_group_size=2)
     assert hybrid == pytest.approx({"all_gather": 2 * psi / 2, "reduce_scatter": psi / 2,
                                     "all_reduce": 2 * (1 / 2) * psi / 2})
-    assert volume.step_bytes("ddp", 1, [psi]) == {"all_reduce": 0.0}
-    # Gloo's reduce_scatter sends like an all_reduce: FULL_SHARD costs 2x DDP's wire bytes.
-    assert volume.gloo_wire_bytes(full) / volume.gloo_wire_bytes(volume.step_bytes("ddp", 4, [psi])) \
-        == pytest.approx(2.0)
+    assert step_bytes("ddp", 1, units) == {"all_reduce": 0.0}
+    phases = step_bytes("FULL_SHARD", n, units, by_phase=True)
+    assert phases["forward"] == {"all_gather": psi * 3 / 4}
+    assert phases["backward"] == {"all_gather": psi * 3 / 4, "reduce_scatter": psi * 3 / 4}
+    mixed = step_bytes("fully_shard", n, units, param_bytes=2, reduce_bytes=4)
+    assert mixed == {"all_gather": full["all_gather"] / 2, "reduce_scatter": full["reduce_scatter"]}
+    with pytest.raises(ValueError, match="no step_bytes for strategy 'zero3'"):
+        step_bytes("zero3", n, units)
+    with pytest.raises(ValueError, match="shard_group_size=3 must be a whole number that divides world_size=4"):
+        step_bytes("HYBRID_SHARD", n, units, shard_group_size=3)
 
 
-@pytest.mark.parametrize("options", [
-    dict(strategy="ddp"), dict(strategy="ddp", gradient_as_bucket_view=True),
-    dict(strategy="fsdp"), dict(strategy="fsdp", sharding_strategy="SHARD_GRAD_OP"),
-    dict(strategy="fsdp", sharding_strategy="HYBRID_SHARD", shard_group_size=2),
-    dict(strategy="fully_shard"), dict(strategy="fully_shard", reshard_after_forward=False),
-], ids=lambda o: "-".join(map(str, o.values())))
+@pytest.mark.parametrize("options", [c for c in RUNNER_CONFIGS if c.get("sharding_strategy") != "NO_SHARD"],
+                         ids=lambda o: "-".join(map(str, o.values())))
 def test_runner_memory_at_rest_equals_the_ledger_on_every_rank(cluster4, options):
-    metrics = cluster4.run(train, TrainConfig(steps=3, batch_size=4, progress=False, **options),
-                           [StepTimer(), MemoryProbe()])
-    for m in metrics:
-        compare = m["memory"]["compare"]
-        for category, (theory, measured) in compare["at_rest"].items():
-            assert measured == theory, (m["rank"], category)
-        theory_peak, measured_peak = compare["peak"]
-        assert 0.9 * theory_peak <= measured_peak <= 1.1 * theory_peak  # within 10 %
-        assert len(m["step_time_s"]) == 2  # the measured last step is not timed
+    cfg = TrainConfig(steps=4, batch_size=4, progress=False, **options)
+    memory, timeline = dpc.observe.Memory(), dpc.observe.Timeline()
+    cluster4.run(train, cfg, observe=[memory, timeline])
+    strategy, extra = _ledger_strategy(cfg)
+    model = dpc.models.build_model(cfg.model)
+    acts = dpc.memory.activation_bytes(cfg.model, cfg.batch_size)
+    for rank in range(4):
+        book = dpc.memory.ledger(model, 4, strategy, optimizer=cfg.optimizer, rank=rank, activation_bytes=acts, **extra)
+        held = memory.at_rest(rank)
+        assert {c: held.get(c, 0) for c in dpc.memory.AT_REST} == {c: book.bytes[c] for c in dpc.memory.AT_REST}, rank
+        assert 0.85 * book.peak <= memory.peak(rank)[0] <= 1.1 * book.peak, (rank, memory.peak(rank), book.peak)
+        assert len(timeline.step_seconds(rank)) == cfg.steps and len(timeline.step_seconds(rank, cpu=True)) == cfg.steps

@@ -1,8 +1,9 @@
-"""Experiment panels and the cluster status widget, on real ranks.
+"""The experiment panel over a notebook's own function, and the cluster status widget, on real ranks.
 
-Each panel's plain function returns what the notebooks assert; pressing Run (the button's
-click handler, called here) redraws the picture; a panel on a shut-down cluster says so and
-its recover button starts a fresh cluster; the status widget shows live and failed ranks.
+A panel puts controls on a function the notebook writes (it runs something on the ranks and
+returns a drawing); pressing Run (the button's click handler, called here) redraws the
+picture; a panel on a shut-down cluster says so and its recover button starts a fresh
+cluster; a world-size control starts a cluster of its own; errors stay in the panel.
 """
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ import matplotlib
 matplotlib.use("Agg")
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import dpcourse as dpc  # noqa: E402
-from dpcourse.viz import panels_ddp, panels_fsdp  # noqa: E402
 from dpcourse.viz.panel import describe_error  # noqa: E402
 from dpcourse.viz.png import png_size  # noqa: E402
 
@@ -26,75 +27,59 @@ def _click(panel) -> bytes:
     return bytes(panel.image.value)
 
 
-def test_ddp_experiment_equals_one_process_on_the_global_batch(cluster2):
-    result = dpc.viz.run_ddp_experiment(cluster2, batch_size=4, steps=4)
-    data = result.data
-    assert data["global_batch"] == 8 and len(data["losses"]) == len(data["single_losses"]) == 4
-    assert data["max_difference"] < 1e-5 and len(data["step_ms"]) == 2
-    assert result.figure.axes[0].get_title() == "global batch 4 x 2 = 8"
+def _train(bucket_cap_mb):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(dpc.models.build_model("mlp"), bucket_cap_mb=bucket_cap_mb)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = dpc.models.make_dataset("mlp", 8, seed=dist.get_rank()).tensors
+    for _ in range(3):
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return dist.get_world_size()
 
 
-@pytest.mark.parametrize("kind", ["bucketed", "ddp"])
-def test_bucket_experiment_has_the_buckets_the_rule_plans(cluster2, kind):
-    result = dpc.viz.run_bucket_experiment(cluster2, bucket_cap_mb=0.2, kind=kind)
-    data = result.data
-    assert data["num_buckets"] == len(data["planned_bucket_bytes"]) > 1
-    assert 0.0 <= data["hidden_fraction"] <= 1.0
-    assert {e.rank for e in data["events"]} == {0, 1}
-    one = dpc.viz.run_bucket_experiment(cluster2, bucket_cap_mb=25, kind=kind)
-    assert one.data["num_buckets"] == 1
-
-
-def test_bucket_sweep_counts_buckets_per_cap(cluster2):
-    result = dpc.viz.run_bucket_sweep(cluster2, caps_mb=(1, 0.05), kinds=("bucketed",))
-    rows = result.data["rows"]
-    assert [r["bucket_cap_mb"] for r in rows] == [0.05, 1]
-    assert [r["num_buckets"] for r in rows] == [result.data["planned"][c] for c in (0.05, 1)]
-    if result.data["alpha"] is not None:  # the fit may refuse noisy timings
-        assert result.data["alpha"] >= 0 and result.data["beta"] > 0
-
-
-def test_strategy_experiment_measures_the_ledger_and_the_theory(cluster2):
-    result = dpc.viz.run_strategy_experiment(cluster2, ("ddp", "FULL_SHARD"), d_hidden=64, depth=2)
-    ddp, fsdp = result.data["rows"]["ddp"], result.data["rows"]["FULL_SHARD"]
-    for row in (ddp, fsdp):  # at rest, measured == the memory ledger, by category
-        assert {c: row["at_rest"].get(c, 0) for c in row["theory_at_rest"]} == row["theory_at_rest"]
-    assert ddp["comm_measured"] == ddp["comm_theory"]  # DDP: one all-reduce of every gradient
-    assert sum(fsdp["at_rest"].values()) < sum(ddp["at_rest"].values())
-    assert result.data["param_bytes"] == ddp["comm_theory"]["all_reduce"]
-
-
-def test_strategy_experiment_refuses_hybrid_shard_on_two_ranks_in_the_kernel(cluster2):
-    with pytest.raises(dpc.train.ConfigError, match="shard_group_size"):
-        dpc.viz.run_strategy_experiment(cluster2, ("HYBRID_SHARD",))
-
-
-def test_auto_wrap_experiment_counts_units_and_peaks(cluster2):
-    result = dpc.viz.run_auto_wrap_experiment(cluster2, ("none", "block"), d_hidden=64, depth=3)
-    units = result.data["units"]
-    assert units == {"auto_wrap=none": 1, "auto_wrap=block": 4}  # the root, + one per block
-    rows = result.data["rows"]
-    assert rows["auto_wrap=block"]["peak_bytes"] < rows["auto_wrap=none"]["peak_bytes"]
-    # the ledger's peak (from parameter shapes alone) next to the measured one, both policies
-    for name, predicted in result.data["ledger_peak"].items():
-        assert abs(rows[name]["peak_bytes"] / predicted - 1) < 0.02, (name, rows[name]["peak_bytes"], predicted)
+def bucket_timeline(cluster, bucket_cap_mb=0.01, progress=None):
+    """What a notebook writes: run on the ranks under an observer, return a drawing."""
+    timeline = dpc.observe.Timeline()
+    cluster.run(_train, bucket_cap_mb, observe=[timeline])
+    buckets = timeline.summary(rank=0)["collectives"]
+    return dpc.viz.draw_timeline(timeline.events(), title=f"{buckets} buckets on {cluster.world_size} ranks")
 
 
 def test_run_redraws_the_picture_at_its_natural_size(cluster2):
-    panel = dpc.viz.bucket_panel(cluster2)
+    panel = dpc.viz.Panel("buckets", bucket_timeline, cluster2, bucket_cap_mb=[0.01, 25])
     assert panel.image.value == b"" and "press Run" in panel.view.status.value
+    assert list(panel.controls["bucket_cap_mb"].options) == [0.01, 25]
     first = _click(panel)
     assert first and panel.image.layout.width == f"{png_size(first)[0]}px"
     assert "done on 2 ranks" in panel.view.status.value and panel.progress.value == 1.0
+    assert "buckets on 2 ranks" in panel.result.figure.axes[0].get_title()
     panel.controls["bucket_cap_mb"].value = 25
     second = _click(panel)
-    assert second != first and "1 bucket (the rule plans 1)" in panel.view.status.value
+    assert second != first and panel.result.figure.axes[0].get_title().startswith("1 buckets")
     assert panel.own is None and not panel.button.disabled  # the notebook's cluster was used
+    import matplotlib.pyplot as plt
+    assert plt.get_fignums() == []  # the panel's pyplot figures do not pop up under a later cell
+
+
+def test_controls_are_sliders_over_numbers_dropdowns_otherwise_or_widgets_as_given():
+    import ipywidgets as w
+
+    from dpcourse.viz.panel import make_control
+
+    assert isinstance(make_control("n", [1, 2, 4]), w.SelectionSlider)
+    assert isinstance(make_control("kind", ["ddp", "fsdp"]), w.Dropdown)
+    given = w.IntSlider(3)
+    assert make_control("x", given) is given
+    with pytest.raises(ValueError, match="no choices"):
+        make_control("x", [])
 
 
 def test_a_panel_on_a_shut_down_cluster_says_so_and_recovers():
     cluster = dpc.Cluster(world_size=2, timeout=60)
-    panel = dpc.viz.ddp_panel(cluster)
+    panel = dpc.viz.Panel("buckets", bucket_timeline, cluster, bucket_cap_mb=[0.01])
     cluster.shutdown()
     _click(panel)  # returns at once: no run on a closed cluster
     assert "was shut down" in panel.view.status.value and panel.fresh.layout.display == ""
@@ -103,7 +88,6 @@ def test_a_panel_on_a_shut_down_cluster_says_so_and_recovers():
         panel.fresh.click()  # the recover button: a fresh cluster of the same size, then Run
         assert panel.own is not None and not panel.own.closed and panel.own.world_size == 2
         assert panel.image.value != b"" and panel.fresh.layout.display == "none"
-        assert panel.result.data["max_difference"] < 1e-5
     finally:
         own = panel.own
         panel.close()
@@ -111,16 +95,21 @@ def test_a_panel_on_a_shut_down_cluster_says_so_and_recovers():
 
 
 def test_a_world_size_change_starts_one_cluster_of_that_size_and_stops_it(cluster2):
-    panel = dpc.viz.ddp_panel(cluster2)
-    panel.controls["world_size"].value = 1
-    panel.controls["batch_size"].value = 4
+    def sizes(cluster, progress=None):
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots()
+        ax.set_title(str(cluster.run(dist.get_world_size)))
+        return fig
+
+    panel = dpc.viz.Panel("world size", sizes, cluster2, world_size=[1, 2])
     try:
         _click(panel)
         first = panel.own
-        assert first.world_size == 1 and panel.result.data["world_size"] == 1
+        assert first.world_size == 1 and panel.result.figure.axes[0].get_title() == "[1]"
         panel.controls["world_size"].value = 2  # back to the notebook's size: its cluster
         _click(panel)
-        assert panel.result.data["world_size"] == 2 and panel.own is first
+        assert panel.result.figure.axes[0].get_title() == "[2, 2]" and panel.own is first
     finally:
         panel.close()
     assert first.closed and not cluster2.closed
@@ -136,7 +125,7 @@ def test_a_rank_error_is_shown_in_the_panel_with_the_per_rank_report_first(clust
     def run(cluster, progress=None):
         cluster.run(_fail_on_rank_1, timeout=30)
 
-    panel = dpc.viz.Panel("failing", run, {}, cluster2)
+    panel = dpc.viz.Panel("failing", run, cluster2)
     _click(panel)
     assert "RankError" in panel.view.status.value and "cluster is ready again" in panel.view.status.value
     shown = "".join(o.get("text", "") for o in panel.view.errors.outputs)
@@ -146,13 +135,19 @@ def test_a_rank_error_is_shown_in_the_panel_with_the_per_rank_report_first(clust
     assert cluster2.run(dist.get_rank) == [0, 1]  # the cluster is usable
 
 
+def test_an_experiment_that_returns_no_drawing_is_told_so(cluster2):
+    panel = dpc.viz.Panel("nothing", lambda cluster, progress=None: 42, cluster2)
+    _click(panel)
+    assert "must return a matplotlib Axes or Figure, not int" in panel.view.status.value
+
+
 def test_describe_error_shows_the_learners_frames_and_the_courses_message_only():
     try:
-        panels_fsdp._config("FULL_SHARDED", None, 64, 2, 4, 3)
+        dpc.collectives.step_bytes("zero3", 2, [10])
     except ValueError as err:
         text = describe_error(err)
-    message = "ValueError: unknown strategy 'FULL_SHARDED'; choose one of " + ", ".join(panels_fsdp.TRAINED)
-    assert text.endswith(message + "\n") and "panels_fsdp.py" not in text  # the course's frames: never
+    assert text.endswith("choose one of ddp, NO_SHARD, SHARD_GRAD_OP, FULL_SHARD, HYBRID_SHARD, fully_shard\n")
+    assert "cost.py" not in text  # the course's frames: never
 
     def learners_experiment(cluster, progress=None):
         return {}["figure"]
@@ -201,11 +196,8 @@ def test_status_of_a_dead_rank_and_of_a_closed_cluster():
     assert "shut down" in view.text and [r.state for r in view.status.ranks] == ["closed", "closed"]
 
 
-def test_panels_build_without_running_anything(cluster2):
+def test_a_panel_builds_without_running_anything(cluster2):
     calls = cluster2.status().calls
-    for make in (dpc.viz.ddp_panel, dpc.viz.bucket_panel, dpc.viz.bucket_sweep_panel,
-                 dpc.viz.ddp_vs_fsdp_panel, dpc.viz.sharding_panel, dpc.viz.auto_wrap_panel):
-        panel = make(cluster2)
-        assert panel.image.value == b"" and panel.own is None
+    panel = dpc.viz.Panel("buckets", bucket_timeline, cluster2, bucket_cap_mb=[0.01, 25])
+    assert panel.image.value == b"" and panel.own is None
     assert cluster2.status().calls == calls
-    assert panels_ddp.CAPS_MB == tuple(sorted(panels_ddp.CAPS_MB))

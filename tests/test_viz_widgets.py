@@ -16,7 +16,6 @@ from matplotlib.patches import FancyArrowPatch  # noqa: E402
 
 import dpcourse as dpc  # noqa: E402
 from dpcourse.collectives.schedule import simulate  # noqa: E402
-from dpcourse.memory import experiment  # noqa: E402
 from dpcourse.viz import calculator, memory  # noqa: E402
 from dpcourse.viz.png import png_size  # noqa: E402
 from dpcourse.viz.ring import frame_figure  # noqa: E402
@@ -94,18 +93,21 @@ def test_ring_player_shows_its_picture_at_natural_size_and_survives_a_closed_clu
 
 @pytest.fixture(scope="module")
 def measured(cluster2):
-    return experiment.measure_all(cluster2, [("ddp", {}), ("FULL_SHARD", {})], model="mlp", batch_size=4)
+    from test_memory_viz import measure
+
+    return measure(cluster2)
 
 
 def test_ledger_panels_share_one_y_axis_that_holds_every_frame(measured):
     fig = Figure()
     axes = fig.subplots(1, 2)
+    configs = memory.configs(*measured)
     for k in (0, 3):
-        memory.draw_ledger_frame(axes, measured, k)
+        memory.draw_ledger_frame(axes, configs, k)
         assert axes[0].get_ylim() == axes[1].get_ylim()
-    highest = max(sum(f["peak"].values()) for c in measured for r in c for f in r["frames"]) / 1024
+    highest = max(sum(f["peak"].values()) for c in configs for r in c for f in r["frames"]) / 1024
     assert highest <= axes[0].get_ylim()[1] < highest * 1.5
-    player = memory.LedgerPlayer(measured)
+    player = memory.LedgerPlayer(*measured)
     assert player.image.layout.width == f"{png_size(bytes(player.image.value))[0]}px"
 
 

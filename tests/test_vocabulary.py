@@ -11,10 +11,10 @@ import torch
 
 import dpcourse
 from dpcourse import models, vocab
+from dpcourse.collectives import step_bytes
+from dpcourse.collectives.alpha_beta import step_comm_seconds
 from dpcourse.memory import LedgerError, fit_table, ledger, recommend
-from dpcourse.memory import experiment as memory_experiment
-from dpcourse.scratch import experiment as scratch_experiment
-from dpcourse.train import ConfigError, TrainConfig, config, parse_args, volume
+from dpcourse.train import ConfigError, TrainConfig, config, parse_args
 
 PACKAGE = pathlib.Path(dpcourse.__file__).parent
 ledger_module = importlib.import_module("dpcourse.memory.ledger")  # the package exports the function
@@ -49,7 +49,7 @@ def test_every_table_of_names_lives_in_the_vocabulary():
 
 
 def test_one_name_for_the_shard_group_size_everywhere():
-    for fn in (ledger, fit_table, recommend, volume.step_bytes, memory_experiment.wrap):
+    for fn in (ledger, fit_table, recommend, step_bytes, step_comm_seconds):
         assert "shard_group_size" in inspect.signature(fn).parameters, fn.__qualname__
     assert "shard_group_size" in {f.name for f in config.dataclasses.fields(TrainConfig)}
     for old in ("hybrid_shard_size", "gpus_per_node"):
@@ -80,12 +80,25 @@ def test_an_optimizer_keeps_the_state_the_vocabulary_and_the_ledger_count(name):
         assert ledger_module.OPTIMIZER_STATE_BYTES[name] == 4 * len(same_size)
 
 
+def test_one_check_of_the_shard_group_size_with_the_arithmetic_in_its_message():
+    """The ledger, the step formulas and the runner refuse a bad shard group alike."""
+    message = "shard_group_size=3 must be a whole number that divides world_size=4"
+    with pytest.raises(LedgerError, match=message):
+        ledger(1000, 4, "HYBRID_SHARD", shard_group_size=3)
+    with pytest.raises(ValueError, match=message):
+        step_bytes("HYBRID_SHARD", 4, [10, 0], shard_group_size=3)
+    with pytest.raises(ConfigError, match=message):
+        TrainConfig(strategy="fsdp", sharding_strategy="HYBRID_SHARD", shard_group_size=3).validate(4, "cpu")
+    with pytest.raises(ValueError, match="only applies to HYBRID_SHARD"):
+        vocab.shard_group("FULL_SHARD", 4, 2)
+    assert [vocab.shard_group(s, 8, None) for s in ("ddp", "NO_SHARD", "FULL_SHARD")] == [1, 1, 8]
+    assert vocab.shard_group("fully_shard", 8, 4) == 4  # FSDP2 on a (replicate, shard) mesh
+
+
 def test_from_scratch_and_pytorch_wrappers_share_the_names():
-    assert set(scratch_experiment.KINDS) == set(vocab.SCRATCH_WRAPPERS) | {"ddp", "fsdp"}
-    assert set(scratch_experiment.KINDS) & set(vocab.WRAPPERS) == {"ddp", "fsdp"}  # the same APIs
     from dpcourse.bench import scratch, strategies
 
-    assert {kind for kind, _ in scratch.VARIANTS.values()} <= set(scratch_experiment.KINDS)
+    assert {kind for kind, _ in scratch.VARIANTS.values()} <= set(vocab.SCRATCH_WRAPPERS) | {"ddp", "fsdp"}
     for options in strategies.ROWS.values():
         TrainConfig(**options).validate(world_size=4, device_type="cpu")
 

@@ -24,10 +24,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..collectives import (Trace, busbw, bytes_sent_per_rank, fast_ring_all_reduce,
-                           measure_bytes_sent, naive_all_reduce, ring_all_reduce,
-                           whole_ring_all_reduce)
+from ..collectives import (Trace, busbw, bytes_sent_per_rank, fast_ring_all_reduce, naive_all_reduce,
+                           ring_all_reduce, whole_ring_all_reduce)
 from ..collectives.checks import check_same_size
+from ..observe.comm import wire_bytes_written
 from ..pool import Cluster
 
 HELP = "all-reduce: dist.all_reduce vs our rings vs naive variants (time, algbw, busbw, bytes)"
@@ -65,10 +65,24 @@ def _measure(sizes_bytes, rounds):
         for name in names:
             trace = Trace()
             kwargs = {"trace": trace} if name != "dist.all_reduce" else {}
-            sent = measure_bytes_sent(VARIANTS[name], t, **kwargs)
-            out[nbytes, name] = (times[name], sent.wire, sum(x.nbytes for x in trace.transfers))
+            out[nbytes, name] = (times[name], _wire_of(VARIANTS[name], t, **kwargs),
+                                 sum(x.nbytes for x in trace.transfers))
     out["size check"] = _time_size_checks(50)
     return out
+
+
+def _wire_of(fn, *args, **kwargs) -> int | None:
+    """Bytes this rank wrote while every rank ran ``fn`` once, between barriers (one barrier's
+    own bytes, measured just before, taken off); None off Linux."""
+    dist.barrier()
+    start = wire_bytes_written()
+    dist.barrier()
+    barrier = wire_bytes_written() - start if start is not None else None
+    start = wire_bytes_written()
+    fn(*args, **kwargs)
+    dist.barrier()
+    end = wire_bytes_written()
+    return None if start is None else end - start - barrier
 
 
 def _time_size_checks(calls):

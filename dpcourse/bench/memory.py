@@ -3,16 +3,22 @@
     python -m dpcourse.bench memory [--world-size 4] [--model mlp] [--batch-size 8]
 
 Per strategy (rank 0's figures; every rank is checked): bytes held at rest by category,
-theory / measured, and the peak over one recorded step with its ratio measured / theory,
-which tool measured what, whether every rank's at-rest categories equal the theory
-exactly, and how long the calculator widget takes to redraw.
+ledger / measured, and the peak over the last step with its ratio measured / ledger,
+whether every rank's at-rest categories equal the ledger exactly, and how long the
+calculator widget takes to redraw. Each strategy trains with the course's runner under the
+``Memory`` observer.
 """
 from __future__ import annotations
 
 import time
 
-from ..memory import experiment, report
+from ..memory import AT_REST, activation_bytes, ledger
+from ..memory.sizes import format_bytes
+from ..models import build_model
+from ..observe import Memory
 from ..pool import Cluster
+from ..train import TrainConfig, train
+from ..vocab import TRAIN_OPTIONS
 
 HELP = "memory ledger: measured vs theory per strategy at one world size, calculator redraw time"
 
@@ -25,24 +31,45 @@ def add_arguments(parser) -> None:
 
 
 def main(args) -> int:
-    configs = experiment.configurations(args.world_size)
+    world = args.world_size
+    configs = {name: dict(options) for name, options in TRAIN_OPTIONS.items()}
+    if world >= 4 and world % 2 == 0:
+        configs["HYBRID_SHARD"]["shard_group_size"] = 2
+    else:
+        configs.pop("HYBRID_SHARD")
+    model = build_model(args.model)
+    acts = activation_bytes(args.model, args.batch_size)
     start = time.perf_counter()
-    with Cluster(world_size=args.world_size) as cluster:
-        results = experiment.measure_all(cluster, configs, model=args.model, batch_size=args.batch_size)
+    measured = {}
+    with Cluster(world_size=world) as cluster:
+        for name, options in configs.items():
+            measured[name] = Memory()
+            cfg = TrainConfig(model=args.model, steps=4, batch_size=args.batch_size, optimizer="adam",
+                              progress=False, **options)
+            cluster.run(train, cfg, observe=[measured[name]], timeout=300)
     took = time.perf_counter() - start
-    first = results[0][0]
-    print(f"{args.model} ({first['num_params']:,} parameters, Adam, fp32), batch {args.batch_size} per rank, "
-          f"world_size {args.world_size}; measured in {took:.1f} s")
-    print(report.table([r[0] for r in results], args.unit))
-    exact = all(report.at_rest_matches(x) for r in results for x in r)
-    print(f"at rest, every rank, every category: measured == theory: {exact}")
+    print(f"{args.model} ({sum(p.numel() for p in model.parameters()):,} parameters, Adam, fp32), batch "
+          f"{args.batch_size} per rank, world_size {world}; measured in {took:.1f} s")
+    print(f"{args.unit} per rank (rank 0), ledger / measured")
+    exact = True
+    for name, memory in measured.items():
+        group = {"shard_group_size": 2} if name == "HYBRID_SHARD" else {}
+        books = [ledger(model, world, name, "fp32", "adam", rank=r, activation_bytes=acts, **group)
+                 for r in range(world)]
+        exact &= all(memory.at_rest(r).get(c, 0) == books[r].bytes[c] for r in range(world) for c in AT_REST)
+        held = memory.at_rest(0)
+        cells = "  ".join(f"{c[:10]} {format_bytes(books[0].bytes[c], args.unit, 4).split()[0]}/"
+                          f"{format_bytes(held.get(c, 0), args.unit, 4).split()[0]}"
+                          for c in ("parameters", "gradients", "optimizer_state", "bucket_buffers"))
+        print(f"{name:14} {cells}  peak {memory.peak(0)[0] / books[0].peak:.3f}")
+    print(f"at rest, every rank, every category: measured == ledger: {exact}")
     from ..viz.calculator import ZERO_PRESET, MemoryCalculator
 
     calculator = MemoryCalculator(**ZERO_PRESET)
     times = []
-    for world in (8, 16, 32, 64, 128):
+    for w in (8, 16, 32, 64, 128):
         t0 = time.perf_counter()
-        calculator.apply(world_size=world)
+        calculator.apply(world_size=w)
         times.append(time.perf_counter() - t0)
     print(f"calculator redraw: median {sorted(times)[len(times) // 2] * 1e3:.0f} ms, max {max(times) * 1e3:.0f} ms")
     return 0 if exact else 1

@@ -2,15 +2,14 @@
 
     python -m dpcourse.bench scratch [--world-sizes 2 4] [--rounds 3] [--steps 8]
 
-For each world size every wrapper trains the same model on the same data (``dpc.scratch.
-train_steps``); rounds are interleaved (all wrappers, then all again) so load on the
-machine hits all alike. Per step the slowest rank counts; figures are medians over the
+For each world size every wrapper trains the same model on the same data with the course's
+runner (``dpc.train.train(cfg, wrap=...)``), observed by a ``Timeline``; rounds are
+interleaved (all wrappers, then all again) so load on the machine hits all alike. Per step the slowest rank counts; figures are medians over the
 steps after the first two (warm-up; torch DDP rebuilds its buckets after step 1) and
 over rounds: wall and CPU seconds per step, and throughput ratios scratch / PyTorch
 (> 1: ours is faster). Both DDPs use torch DDP's default buckets (25 MiB, the first one
 1 MiB); MiniFSDP shards its root as FSDP1 does. "hidden" is the share of communication
-time during which the rank kept computing (``timeline.hidden_fraction``), from one extra
-recorded run per wrapper. ThreadedDataParallel runs in this process: its replicas in
+time during which the rank kept computing (``Timeline.hidden_fraction``), over the same runs. ThreadedDataParallel runs in this process: its replicas in
 threads vs one after another.
 """
 from __future__ import annotations
@@ -20,16 +19,16 @@ import statistics
 
 import torch
 
-from ..models import build_model
+from ..models import build_model, wrap_classes
+from ..observe import Timeline
 from ..pool import Cluster
-from ..scratch import train_steps
+from ..scratch import BucketedDDP, MiniFSDP, NaiveDDP, OverlapDDP, ShardedOptimizer
 from ..scratch.threaded_dp import measure_speedup
-from ..scratch.timeline import Event, hidden_fraction
-from ..train import TrainConfig
+from ..train import TrainConfig, train
 
 HELP = "from-scratch DDP / ZeRO-1 / FSDP vs PyTorch's: time per step, hidden communication"
 
-VARIANTS = {  # name -> (kind, options of train_steps)
+VARIANTS = {  # name -> (kind, options of _wrapper)
     "NaiveDDP": ("naive", {}),
     "OverlapDDP": ("overlap", {}),
     "BucketedDDP": ("bucketed", {"first_bucket_cap_mb": 1}),  # torch DDP's default buckets
@@ -75,36 +74,56 @@ def _threaded_dp() -> list:
     return rows
 
 
+def _wrapper(kind: str, first_bucket_cap_mb=None, sharded_optimizer=False, shard_root=False):
+    """(wrap, optimizer_for) for the runner: a from-scratch wrapper, or torch's (None: the runner's)."""
+    import functools
+
+    import torch
+
+    wraps = {"naive": NaiveDDP, "overlap": OverlapDDP,
+             "bucketed": functools.partial(BucketedDDP, first_bucket_cap_mb=first_bucket_cap_mb),
+             "mini_fsdp": lambda m: MiniFSDP(m, wrap=wrap_classes("transformer"), shard_root=shard_root)}
+    optimizer_for = None
+    if sharded_optimizer == "torch":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        optimizer_for = functools.partial(ZeroRedundancyOptimizer, optimizer_class=torch.optim.AdamW, lr=1e-2)
+    elif sharded_optimizer:
+        optimizer_for = functools.partial(ShardedOptimizer, optimizer_class=torch.optim.AdamW, lr=1e-2)
+    return wraps.get(kind), optimizer_for
+
+
 def main(args) -> int:
     sizes = {"d_model": args.d_model, "n_layers": args.n_layers, "seq_len": 32, "vocab_size": 256}
-    cfg = TrainConfig(model="transformer", model_sizes=sizes, optimizer="adamw", steps=args.steps,
-                      batch_size=16, num_samples=4096, progress=False)
+    base = dict(model="transformer", model_sizes=sizes, optimizer="adamw", steps=args.steps,
+                batch_size=16, num_samples=4096, progress=False)
     warmup = 2
-    print(f"scratch benchmark: transformer {sizes}, batch {cfg.batch_size} per rank, AdamW; gloo, "
+    print(f"scratch benchmark: transformer {sizes}, batch {base['batch_size']} per rank, AdamW; gloo, "
           f"{os.cpu_count()} CPU cores, torch {torch.__version__}")
     print()
     _table([("figure", "ms/step", "compared with", "")] + _threaded_dp())
     for world in args.world_sizes:
         wall = {n: [] for n in VARIANTS}
         cpu = {n: [] for n in VARIANTS}
-        hidden = {}
+        hidden = {n: [] for n in VARIANTS}
         with Cluster(world_size=world) as cluster:
             for _ in range(args.rounds):
                 for name, (kind, options) in VARIANTS.items():
-                    ranks = cluster.run(train_steps, cfg, kind, timeout=600, **options)
+                    cfg = TrainConfig(strategy="fsdp" if kind == "fsdp" else "ddp", **base)
+                    wrap, optimizer_for = _wrapper(kind, **options)
+                    timeline = Timeline()
+                    cluster.run(train, cfg, wrap=wrap, optimizer_for=optimizer_for, timeout=600, observe=[timeline])
                     for s in range(warmup, cfg.steps):
-                        wall[name].append(max(r["step_time_s"][s] for r in ranks))
-                        cpu[name].append(max(r["step_cpu_s"][s] for r in ranks))
-            for name, (kind, options) in VARIANTS.items():
-                ranks = cluster.run(train_steps, cfg, kind, record=True, record_steps=cfg.steps - warmup,
-                                    timeout=600, **options)
-                events = [Event(**e) for r in ranks for e in r["timeline"]]
-                hidden[name] = statistics.fmean(hidden_fraction(events, r) for r in range(world))
+                        wall[name].append(max(timeline.step_seconds(r)[s] for r in range(world)))
+                        cpu[name].append(max(timeline.step_seconds(r, cpu=True)[s] for r in range(world)))
+                    hidden[name].append(statistics.fmean(timeline.hidden_fraction(step=-1, rank=r)
+                                                         for r in range(world)))
         med = {n: (statistics.median(wall[n]), statistics.median(cpu[n])) for n in VARIANTS}
-        print(f"\nworld_size {world}: medians over {args.rounds} rounds x {cfg.steps - warmup} steps, "
-              "slowest rank per step")
+        print(f"\nworld_size {world}: medians over {args.rounds} rounds x {args.steps - warmup} steps, "
+              "slowest rank per step (the Timeline observer adds its own time to every row alike)")
         _table([("wrapper", "wall ms/step", "CPU ms/step", "hidden comm")] +
-               [(n, f"{w * 1e3:.1f}", f"{c * 1e3:.1f}", f"{hidden[n]:.0%}") for n, (w, c) in med.items()])
+               [(n, f"{w * 1e3:.1f}", f"{c * 1e3:.1f}", f"{statistics.median(hidden[n]):.0%}")
+                for n, (w, c) in med.items()])
         print()
         rows = [("ours", "PyTorch's", "throughput ratio (wall)", "(CPU)", "target", "")]
         for ours, theirs, target in PAIRS:

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import statistics
 
-from ..memory.probe import MemoryProbe
+from ..collectives import step_bytes
+from ..models import build_model
+from ..observe import Comm, Memory, Timeline
 from ..pool import Cluster
-from ..train import CommMeter, StepTimer, TrainConfig, train
+from ..train import TrainConfig, train
 from ..vocab import TRAIN_OPTIONS
 
 HELP = "DDP vs FSDP strategies and FSDP2: CPU time per step, peak memory, bytes per step"
@@ -48,6 +50,20 @@ def _kb(x) -> str:
     return "-" if x is None else f"{x / 1e3:.1f}"
 
 
+def _theory(cfg: TrainConfig, world: int) -> dict | None:
+    """``step_bytes`` for a row (None where units are not one per block or precision is mixed)."""
+    if cfg.auto_wrap != "block" or cfg.mixed_precision != "fp32":
+        return None
+    if cfg.strategy == "ddp":
+        strategy, extra = "ddp", {}
+    elif cfg.strategy == "fully_shard":
+        strategy, extra = "fully_shard", {"reshard_after_forward": cfg.reshard_after_forward}
+    else:
+        strategy = cfg.sharding_strategy
+        extra = {"shard_group_size": cfg.shard_group_size} if strategy == "HYBRID_SHARD" else {}
+    return step_bytes(strategy, world, build_model(cfg.model, **cfg.model_sizes), **extra)
+
+
 def main(args) -> int:
     sizes = {"d_hidden": args.d_hidden, "depth": 4}
     print(__doc__.split("\n\n")[0].strip())
@@ -60,27 +76,28 @@ def main(args) -> int:
                 for name in names:
                     cfg = TrainConfig(steps=args.steps, batch_size=16, progress=False, model_sizes=sizes,
                                       **ROWS[name])
-                    hooks = [StepTimer(), CommMeter(), MemoryProbe()]  # the last step is measured, not timed
-                    metrics = cluster.run(train, cfg, hooks, timeout=600)
-                    cpu[name] += [max(m["step_cpu_s"][i] for m in metrics) for i in range(2, args.steps - 1)]
-                    wall[name] += [max(m["step_time_s"][i] for m in metrics) for i in range(2, args.steps - 1)]
-                    comm[name] = metrics[0]["comm"]
-                    peak[name] = max((m.get("memory") or {}).get("peak_bytes", 0) for m in metrics) or None
-        psi = comm[names[0]]["param_bytes"]
+                    timeline, comm[name], memory = Timeline(), Comm(), Memory()
+                    cluster.run(train, cfg, timeout=600, observe=[timeline, comm[name], memory])
+                    for i in range(2, args.steps):  # after two warm-up steps; the slowest rank
+                        cpu[name].append(max(timeline.step_seconds(r, cpu=True)[i] for r in range(world)))
+                        wall[name].append(max(timeline.step_seconds(r)[i] for r in range(world)))
+                    peak[name] = max(memory.peak(r)[0] for r in range(world))
+        psi = 4 * sum(p.numel() for p in build_model("mlp", **sizes).parameters())
         base = statistics.median(cpu["DDP"])
         print(f"\nworld_size={world}, MLP with {psi / 4:,.0f} parameters (Ψ = {psi / 1e3:.0f} kB fp32), "
-              f"{args.rounds} interleaved rounds")
+              f"{args.rounds} interleaved rounds (the observers add their own time: compare rows, not runs)")
         header = ("strategy", "CPU ms/step", "vs DDP", "wall ms/step", "peak kB/rank", "all-gathers",
-                  "logical kB sent", "theory kB", "Gloo wire kB", "wire theory kB")
+                  "logical kB sent", "theory kB", "Gloo wire kB")
         rows = []
         for name in names:
             c = comm[name]
+            sent = {k: v for k, v in c.bytes(0, -1).items()}
+            theory = _theory(TrainConfig(model_sizes=sizes, **ROWS[name]), world)
             med = statistics.median(cpu[name])
             rows.append((name, f"{med * 1e3:.2f}", f"x{med / base:.2f}",
                          f"{statistics.median(wall[name]) * 1e3:.2f}", _kb(peak[name]),
-                         str(c["calls"].get("all_gather", 0)),
-                         _kb(sum(c["measured"].values())), _kb(sum(c["theory"].values())),
-                         _kb(c["wire"]), _kb(c["gloo_wire_theory"])))
+                         str(c.calls(0, -1).get("all_gather", 0)), _kb(sum(sent.values())),
+                         _kb(sum(theory.values()) if theory else None), _kb(c.wire(0, -1))))
         widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
         for row in [header] + rows:
             print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())

@@ -132,9 +132,9 @@ def step_bytes(strategy: str, world_size: int, units, *, reshard_after_forward: 
     if strategy in ("ddp", "NO_SHARD"):
         phases = {"forward": {}, "backward": {"all_reduce": reduce_bytes * total * bus_factor("all_reduce", n)}}
     elif strategy in ("SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD", "fully_shard"):
-        group = shard_group_size if strategy == "HYBRID_SHARD" or shard_group_size else n
-        if group is None or n % group:
-            raise ValueError(f"{strategy} needs shard_group_size dividing world_size={n}, not {shard_group_size}")
+        from .. import vocab
+
+        group = vocab.shard_group(strategy, n, shard_group_size)
         reshard = reshard_after_forward and strategy != "SHARD_GRAD_OP"
         phases = {"forward": {"all_gather": param_bytes * total * bus_factor("all_gather", group)},
                   "backward": {"reduce_scatter": reduce_bytes * total * bus_factor("reduce_scatter", group)}}

@@ -93,21 +93,6 @@ class Ledger:
         return {c: self.bytes[c] for c in AT_REST}
 
 
-def _shard_group(strategy: str, world_size: int, shard_group_size) -> int:
-    if strategy == "HYBRID_SHARD":
-        if shard_group_size is None:
-            raise LedgerError("HYBRID_SHARD needs shard_group_size: the ranks that share one copy "
-                              "of the model (usually the GPUs of one node), e.g. shard_group_size=8")
-        if not isinstance(shard_group_size, int) or shard_group_size < 1 or world_size % shard_group_size:
-            raise LedgerError(f"shard_group_size={shard_group_size!r} must be a whole number that "
-                              f"divides world_size={world_size} (replicas x shard group = world size)")
-        return shard_group_size
-    if shard_group_size is not None:
-        raise LedgerError(f"shard_group_size only applies to HYBRID_SHARD, not {strategy!r}; "
-                          "leave it out (other strategies shard over the whole world or not at all)")
-    return 1 if strategy in ("dp", "ddp", "NO_SHARD") else world_size
-
-
 def ledger(num_params: int, world_size: int, strategy: str, precision: str = "fp32",
            optimizer: str = "adam", *, shard_group_size: int | None = None, rank: int = 0,
            gradient_as_bucket_view: bool = False, reshard_after_forward: bool = True,
@@ -147,7 +132,7 @@ def ledger(num_params: int, world_size: int, strategy: str, precision: str = "fp
     if precision == "autocast" and strategy not in AUTOCAST_STRATEGIES:
         raise LedgerError(f"precision='autocast' models DP/DDP under torch.autocast, not {strategy!r}; "
                           "for ZeRO and FSDP (MixedPrecision / MixedPrecisionPolicy) use precision='mixed'")
-    group = _shard_group(strategy, world_size, shard_group_size)
+    group = vocab.shard_group(strategy, world_size, shard_group_size, LedgerError)
     try:
         shapes = layout.normalise_units(units, num_params)
     except ValueError as err:

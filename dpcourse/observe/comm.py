@@ -8,7 +8,7 @@ tensors and its ``Work``. For each, ``Comm`` records the payload S as nccl-tests
 (the all_gather output, the reduce_scatter input, a send's message) and what a
 bandwidth-optimal algorithm makes this rank send (``logical_sent``: S times
 ``dpcourse.collectives.cost.bus_factor``), the process group's ranks, and when it was
-issued and completed. A record's ``step`` is the number of ``optimizer.step()`` calls that
+issued and completed (``on_completion``). A record's ``step`` is the number of ``optimizer.step()`` calls that
 had completed when it was issued (``LoopWatch``), so step 2's records are the third step's.
 
 Wire bytes: ``/proc/self/io``'s ``wchar`` counts every byte the process hands to write
@@ -17,13 +17,14 @@ bytes, and anything else the rank writes meanwhile (its printed lines). Linux on
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import asdict, dataclass
 
 import torch
 
 from ..collectives.cost import bus_factor
-from ..pool.tracker import TRACKER, when_complete
+from ..pool.tracker import TRACKER
 from .watch import LoopWatch
 
 # Where S is among a c10d op's arguments: 0, the input; 1, the output (all_gather's input is
@@ -73,6 +74,31 @@ def _process_group(arg):
     if isinstance(arg, torch.ScriptObject) and "ProcessGroup" in arg._type().qualified_name():
         return dist.ProcessGroup.unbox(arg)
     return None
+
+
+def on_completion(work, fn, waiters: list) -> None:
+    """Call ``fn()`` when ``work`` completes: from its future's callback (the backend runs it
+    when the operation is done), or -- where the backend gives no future, as Gloo's
+    reduce-scatter -- from a helper thread that waits for it (kept in ``waiters``, to join).
+    Not for point-to-point Works: two threads waiting on one of Gloo's block each other."""
+    import torch.distributed as dist
+
+    if work is None or isinstance(work, int):  # it blocked: done now
+        fn()
+        return
+    try:
+        if not isinstance(work, dist.Work):  # the dispatcher hands over a boxed (script) Work
+            work = dist.Work.unbox(work)
+        work.get_future().add_done_callback(lambda _future: fn())
+    except Exception:
+        def wait():
+            try:
+                work.wait()
+            finally:
+                fn()
+        waiter = threading.Thread(target=wait, daemon=True)
+        waiter.start()
+        waiters.append(waiter)
 
 
 def logical_sent(collective: str, nbytes: int, world_size: int) -> int | None:
@@ -127,6 +153,7 @@ class Comm:
 
         self._dist = dist
         self._records: list[CommRecord] = []
+        self._waiters: list = []
         self._wire = [wire_bytes_written()]  # at the call's start and at every step's end
         self._watch = LoopWatch(on_step_end=lambda w: self._wire.append(wire_bytes_written()))
         self._watch.__enter__()
@@ -138,6 +165,8 @@ class Comm:
         self._listening.__exit__(*exc)
         self._watch.__exit__(*exc)
         self._wire.append(wire_bytes_written())
+        for waiter in self._waiters:
+            waiter.join(timeout=10)
 
     def _issued(self, issued) -> None:
         name, args = issued.op, issued.args
@@ -154,11 +183,10 @@ class Comm:
         record = CommRecord(name, issued.collective, nbytes, n, logical_sent(issued.collective, nbytes, n),
                             ranks, self._watch.steps, issued.start, peer=peer, payload=payload)
         self._records.append(record)
-        if issued.work is None or isinstance(issued.work, int):  # it blocked: done now
-            record.end = time.perf_counter()
-        else:
-            when_complete(issued.work, lambda future: future is not None and
-                          setattr(record, "end", time.perf_counter()))
+        if record.peer is None or issued.work is None or isinstance(issued.work, int):
+            on_completion(issued.work, lambda: setattr(record, "end", time.perf_counter()), self._waiters)
+        # a point-to-point Work on Gloo has no future, and a second waiter on it would block the
+        # caller's own wait(): its end stays unknown (None)
 
     def result(self) -> dict:
         wire = self._wire

@@ -128,6 +128,7 @@ class CallRecorder:
         now = {c: baseline.get(c, 0) for c in CATEGORIES}
         frames = [{"phase": p, "end": None, "peak": None} for p in self.phases]
         best = [-1] * len(self.phases)
+        best[first], frames[first]["peak"] = sum(now.values()), dict(now)  # it starts from the baseline
         index = first
         for sid, delta, phase in [e for e in self.events if e[2] >= first] + [(None, 0, len(self.phases) - 1)]:
             while index < phase:  # close the phases that ended before this change

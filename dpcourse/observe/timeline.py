@@ -30,7 +30,8 @@ import time
 import torch
 from torch.utils._pytree import tree_flatten
 
-from ..pool.tracker import TRACKER, when_complete
+from ..pool.tracker import TRACKER
+from .comm import on_completion
 from . import events as ev
 from .watch import LoopWatch, unwrapped_names
 
@@ -64,6 +65,8 @@ class Timeline:
         self._backward_open = None  # (layer name, start) of the layer whose backward runs now
         self._backward_end = None  # when backward compute last ended
         self._comm_counts: dict[str, int] = {}
+        self._waiters: list = []
+        self._clocks = [(time.perf_counter(), time.process_time())]  # at the start and every step's end
         self._watch = LoopWatch(on_forward=self._on_outer_forward, on_step_begin=self._on_step_begin,
                                 on_step_end=self._on_step_end)
         self._watch.__enter__()
@@ -78,6 +81,8 @@ class Timeline:
         for handle in self._handles:
             handle.remove()
         self._watch.__exit__(*exc)
+        for waiter in self._waiters:  # collectives without a future report from a thread
+            waiter.join(timeout=10)
 
     def _add(self, lane: str, kind: str, name: str, start: float, end: float, nbytes: int = 0,
              step: int | None = None) -> None:
@@ -137,6 +142,7 @@ class Timeline:
     def _on_step_end(self, watch) -> None:
         self._add(ev.COMPUTE, "optimizer", "step", self._step_start, time.perf_counter(), step=watch.steps - 1)
         self._comm_counts = {}  # collectives are numbered within their step
+        self._clocks.append((time.perf_counter(), time.process_time()))
 
     def _issued(self, issued) -> None:
         if issued.collective in ("recv", "barrier"):
@@ -149,13 +155,16 @@ class Timeline:
                  "name": f"{issued.collective} {count}", "start": issued.start, "end": None,
                  "nbytes": nbytes, "step": self._watch.steps}
         self._events.append(event)
-        if issued.work is None or isinstance(issued.work, int):
-            event["end"] = time.perf_counter()
-        else:
-            when_complete(issued.work, lambda _f: event.__setitem__("end", time.perf_counter()))
+        if issued.collective != "send" or issued.work is None or isinstance(issued.work, int):
+            on_completion(issued.work, lambda: event.__setitem__("end", time.perf_counter()), self._waiters)
+        # an isend on Gloo has no future, and a second waiter would block the caller's wait():
+        # it is left out of the timeline (result() keeps finished events only)
 
-    def result(self) -> list[dict]:
-        return [e for e in self._events if e["end"] is not None]
+    def result(self) -> dict:
+        clocks = self._clocks
+        return {"events": [e for e in self._events if e["end"] is not None],
+                "step_s": [b[0] - a[0] for a, b in zip(clocks, clocks[1:])],
+                "step_cpu_s": [b[1] - a[1] for a, b in zip(clocks, clocks[1:])]}
 
     # --- in the kernel -----------------------------------------------------------------
     def collect(self, per_rank: list) -> None:
@@ -167,7 +176,7 @@ class Timeline:
         if self.per_rank is None:
             raise RuntimeError("nothing observed yet: pass this observer to cluster.run(fn, observe=[timeline])")
         chosen = []
-        for events in self.per_rank:
+        for events in (r["events"] for r in self.per_rank):
             steps = max((e["step"] for e in events if e["kind"] == "optimizer"), default=None)
             if step is None or steps is None:
                 chosen.append(events)
@@ -180,6 +189,13 @@ class Timeline:
         """Share (0..1) of the time communication was in flight during which the rank was
         computing (``events.hidden_fraction``), in one step (-1: the last; rank None: all)."""
         return ev.hidden_fraction(self.events(step), rank)
+
+    def step_seconds(self, rank: int = 0, cpu: bool = False) -> list[float]:
+        """Seconds of each training step on ``rank`` (from the end of the one before, or the
+        call's start), wall clock -- or CPU time of the rank's process with ``cpu=True``."""
+        if self.per_rank is None:
+            raise RuntimeError("nothing observed yet: pass this observer to cluster.run(fn, observe=[timeline])")
+        return list(self.per_rank[rank]["step_cpu_s" if cpu else "step_s"])
 
     def summary(self, step: int | None = -1, rank: int = 0) -> dict:
         """``rank``'s step in numbers: ``step_s`` (first event to last), ``comm_s`` (seconds

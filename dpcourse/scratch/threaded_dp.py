@@ -202,20 +202,3 @@ def measure_speedup(module_fn, x, y, loss_fn, num_devices: int = 2, steps: int =
     med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
     return {"threads": med["threads"], "sequential": med["sequential"],
             "speedup": med["sequential"] / med["threads"], "num_devices": num_devices}
-
-
-def measure_data_parallel_on_gpus(module_fn, x, y, loss_fn) -> list[int]:
-    """Peak bytes allocated on each GPU during one step of the real ``nn.DataParallel``.
-
-    Needs at least 2 CUDA devices; device 0 is the primary. module_fn() builds the model.
-    """
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if count < 2:
-        raise RuntimeError(f"nn.DataParallel needs at least 2 GPUs, this machine has {count}; "
-                           "use ThreadedDataParallel to see the same steps on CPU threads")
-    dp = nn.DataParallel(module_fn().cuda(0))
-    for d in range(count):
-        torch.cuda.reset_peak_memory_stats(d)
-    loss_fn(dp(x.cuda(0)), y.cuda(0)).backward()
-    torch.cuda.synchronize()
-    return [torch.cuda.max_memory_allocated(d) for d in range(count)]

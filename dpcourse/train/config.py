@@ -87,11 +87,8 @@ class TrainConfig:
 
     def hybrid_mesh_shape(self, world_size: int) -> tuple[int, int]:
         """(replicate, shard) sizes of HYBRID_SHARD's 2-D mesh."""
-        shard = self.shard_group_size
-        if shard is None or shard < 1 or world_size % shard:
-            raise ConfigError(
-                f"HYBRID_SHARD needs shard_group_size dividing world_size={world_size} (ranks per "
-                f"shard group, usually GPUs per node), got {shard}")
+        name = "HYBRID_SHARD" if self.strategy == "fsdp" else self.strategy
+        shard = vocab.shard_group(name, world_size, self.shard_group_size, ConfigError)
         if shard == world_size:
             raise ConfigError(
                 f"shard_group_size={shard} equals world_size: HYBRID_SHARD would silently be "

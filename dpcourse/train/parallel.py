@@ -1,12 +1,12 @@
 """Wrap a model for data parallelism: DDP, FSDP1 (four sharding strategies) or FSDP2.
 
 Order matters and is the same for every strategy:
-  1. build the model on this rank's device (the same seed on every rank);
-  2. make every rank's weights identical to rank 0's (``broadcast_module``) -- DDP does this
-     itself, FSDP1's ``sync_module_states`` needs an accelerator, and FSDP2 does not do it
-     at all; without it FSDP silently trains a mixture of the ranks' shards;
-  3. wrap (``apply_ddp`` / ``apply_fsdp`` / ``apply_fsdp2``);
-  4. only then build the optimizer, over the wrapped model's parameters.
+  1. build the model on this rank's device from the same seed on every rank -- DDP would
+     broadcast rank 0's weights itself, FSDP1's ``sync_module_states`` needs an accelerator,
+     and FSDP2 does not do it at all; with different weights FSDP silently trains a mixture
+     of the ranks' shards;
+  2. wrap (``apply_ddp`` / ``apply_fsdp`` / ``apply_fsdp2``);
+  3. only then build the optimizer, over the wrapped model's parameters.
 """
 from __future__ import annotations
 
@@ -35,13 +35,6 @@ def mixed_precision_dtypes(cfg: TrainConfig) -> tuple[torch.dtype, torch.dtype] 
     if cfg.mixed_precision == "fp32":
         return None
     return _DTYPES[cfg.mixed_precision], _DTYPES[cfg.reduce_dtype or cfg.mixed_precision]
-
-
-def broadcast_module(model: nn.Module, src: int = 0, group=None) -> None:
-    """Copy rank ``src``'s parameters and buffers into every rank's model (of ``group``), in place."""
-    with torch.no_grad():
-        for tensor in list(model.parameters()) + list(model.buffers()):
-            dist.broadcast(tensor.data, src=src, group=group)
 
 
 def apply_ddp(model: nn.Module, device: torch.device, cfg: TrainConfig) -> nn.Module:

@@ -21,20 +21,25 @@ from .. import models, vocab
 from ..backends import BackendError, choose_backend, rank_device, uses_cuda
 from . import checkpoint, parallel
 from .config import TrainConfig
-from .hooks import Run
 
 
-def build(cfg: TrainConfig, device: torch.device):
-    """Model (wrapped), optimizer, sampler and loader for this rank."""
+def build(cfg: TrainConfig, device: torch.device, wrap=None, optimizer_for=None):
+    """Model (wrapped), optimizer, sampler and loader for this rank.
+
+    wrap: a callable that wraps the model instead of ``cfg.strategy``'s wrapper (a from-scratch
+    one, a learner's); optimizer_for: ``params -> optimizer`` instead of ``cfg.optimizer``'s.
+    """
     model = models.build_model(cfg.model, seed=cfg.seed, **cfg.model_sizes).to(device)
     blocks = models.wrap_classes(cfg.model)
-    if cfg.strategy == "ddp":
-        model = parallel.apply_ddp(model, device, cfg)  # broadcasts rank 0's weights itself
+    # Every rank built the same seeded weights: FSDP does not broadcast them (DDP would).
+    if wrap is not None:
+        model = wrap(model)
+    elif cfg.strategy == "ddp":
+        model = parallel.apply_ddp(model, device, cfg)
     else:
-        parallel.broadcast_module(model)
         apply = parallel.apply_fsdp if cfg.strategy == "fsdp" else parallel.apply_fsdp2
         model = apply(model, device, cfg, blocks)
-    optimizer = make_optimizer(cfg, model.parameters())
+    optimizer = optimizer_for(model.parameters()) if optimizer_for else make_optimizer(cfg, model.parameters())
     sampler, loader = make_loader(cfg, dist.get_rank(), dist.get_world_size())
     return model, optimizer, sampler, loader
 
@@ -75,49 +80,38 @@ def batches(loader, sampler, start_step: int, steps: int, epoch: int | None = No
         epoch, skip = epoch + 1, 0
 
 
-def train(cfg: TrainConfig, hooks=()) -> dict:
+def train(cfg: TrainConfig, full_state: bool = False, wrap=None, optimizer_for=None) -> dict:
     """Train for ``cfg.steps`` steps on this rank; return this rank's metrics.
 
     Metrics: ``losses`` (the global batch's loss per step), ``applied`` (what was wrapped how),
-    ``first_step`` and ``resumed_from``. Measurement attaches through ``hooks``
-    (``dpcourse.train.hooks``): e.g. ``StepTimer()`` adds step times, ``CommMeter()`` bytes
-    per step, ``FullState()`` the final weights, ``dpc.memory.MemoryProbe()`` memory.
+    ``first_step`` and ``resumed_from``; with ``full_state``, ``state``: the full (unsharded)
+    model state dict on rank 0, None elsewhere. Measurement attaches from outside
+    (``cluster.run(train, cfg, observe=[...])``, ``--measure`` on the command line).
+    wrap, optimizer_for: see ``build`` (e.g. ``wrap=dpc.scratch.BucketedDDP``).
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     device = rank_device()
     cfg.validate(world, device.type)
-    model, optimizer, sampler, loader = build(cfg, device)
-    applied = parallel.describe(model, cfg)
+    model, optimizer, sampler, loader = build(cfg, device, wrap, optimizer_for)
+    applied = parallel.describe(model, cfg) if wrap is None else f"{type(model).__name__} over {world} ranks"
     begin, resumed_from = checkpoint.resume(cfg.resume, cfg.checkpoint_dir, model, optimizer,
                                             cfg.batch_size * world, per_epoch=len(loader))
     if rank == 0:
         origin = f" (resumed from {resumed_from})" if resumed_from else ""
         print(f"{applied}; steps {begin.step}..{cfg.steps}{origin}, global batch {cfg.batch_size * world}",
               flush=True)  # seen even if this attempt is killed
-    run = Run(cfg, model, optimizer, device, begin.step, world)
-    for hook in hooks:
-        hook.start(run)
     # DDP + autocast: fp32 weights, low-precision compute (FSDP's MixedPrecision is in the wrap)
     autocast = (torch.autocast(device.type, dtype=parallel._DTYPES[cfg.mixed_precision])
                 if cfg.strategy == "ddp" and cfg.mixed_precision != "fp32" else contextlib.nullcontext())
-
-    def one_step(step, x, y):
+    losses = []
+    for step, (x, y) in batches(loader, sampler, begin.step, cfg.steps, begin.epoch, begin.batch):
+        x, y = x.to(device), y.to(device)
         with autocast:
             loss = models.loss_fn(cfg.model, model(x), y)
         loss.backward()  # DDP all-reduces / FSDP reduce-scatters the gradients here
         optimizer.step()
-        for hook in hooks:
-            hook.at_rest(run, step)
         optimizer.zero_grad(set_to_none=True)  # gradients are freed between steps
-        return loss
-
-    losses = []
-    for step, (x, y) in batches(loader, sampler, begin.step, cfg.steps, begin.epoch, begin.batch):
-        x, y = x.to(device), y.to(device)
-        do_step = functools.partial(one_step, step, x, y)
-        for hook in reversed(hooks):  # the first hook wraps all the others
-            do_step = functools.partial(hook.around_step, run, step, (x, y), do_step)
-        loss = do_step().detach().float().clone()
+        loss = loss.detach().float().clone()
         dist.all_reduce(loss, op=dist.ReduceOp.AVG)  # mean over ranks = the global batch's loss
         losses.append(loss.item())
         if cfg.progress and rank == 0:
@@ -129,9 +123,25 @@ def train(cfg: TrainConfig, hooks=()) -> dict:
                             begin.advanced(step + 1 - begin.step, len(loader)), keep=cfg.keep_checkpoints)
     metrics = {"rank": rank, "world_size": world, "applied": applied, "first_step": begin.step,
                "resumed_from": resumed_from, "losses": losses}
-    for hook in hooks:
-        hook.finish(run, metrics)
+    if full_state:
+        metrics["state"] = full_model_state(model)
     return metrics
+
+
+def full_model_state(model) -> dict | None:
+    """Rank 0's full (unsharded) model state dict as CPU tensors (None on other ranks); a
+    collective: every rank calls it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    if hasattr(model, "gather_full_params"):  # the from-scratch MiniFSDP
+        full = model.gather_full_params()
+    elif isinstance(getattr(model, "module", None), torch.nn.Module) and not hasattr(model, "_fsdp_wrapped_module"):
+        full = get_model_state_dict(model.module)  # DDP or a wrapper with DDP's surface: the plain model
+    else:
+        # cpu_offload=True segfaults for FSDP1 when the parameters already live on the CPU
+        # (torch 2.13, Gloo); gather in place and copy to the CPU ourselves.
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return {k: v.detach().cpu() for k, v in full.items()} if dist.get_rank() == 0 else None
 
 
 def train_single_process(cfg: TrainConfig, world_size: int, accumulation: int = 1) -> dict:
@@ -161,17 +171,33 @@ def train_single_process(cfg: TrainConfig, world_size: int, accumulation: int = 
             "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-def measure_hooks(measure: str) -> list:
-    """``--measure time,bytes`` -> the step hooks that measure them."""
-    from .hooks import StepTimer
-    from .measure import CommMeter
+def observers_for(measure: str) -> list:
+    """``--measure time,bytes`` -> the observers that measure them (``dpc.observe``)."""
+    from ..observe import Comm, Timeline
 
-    known = {"time": StepTimer, "bytes": CommMeter}
+    known = {"time": Timeline, "bytes": Comm}
     names = [m.strip() for m in measure.split(",") if m.strip()]
     unknown = [m for m in names if m not in known]
     if unknown:
         raise ValueError(f"--measure {','.join(unknown)}: choose from {', '.join(known)}")
     return [known[m]() for m in names]
+
+
+def measured(observers: list) -> dict:
+    """What ``--measure``'s observers saw on this rank, for the metrics file: the last step's
+    bytes by collective (logical and on the wire), and each step's seconds."""
+    from ..observe import Comm, Timeline
+
+    out = {}
+    for observer in observers:
+        observer.collect([observer.result()])  # this rank's own view
+        if isinstance(observer, Comm):
+            steps = observer.per_rank[0]["steps"]
+            out["comm"] = {"bytes": observer.bytes(0, -1) if steps else observer.bytes(0),
+                           "wire": observer.wire(0, -1) if steps else observer.wire(0)}
+        elif isinstance(observer, Timeline):
+            out["step_time_s"] = observer.step_seconds(rank=0)
+    return out
 
 
 def main(argv=None) -> int:
@@ -187,7 +213,7 @@ def main(argv=None) -> int:
     try:
         backend = choose_backend(cfg.backend, local_world)  # one GPU per local rank, or Gloo
         cfg.validate(world, "cuda" if uses_cuda(backend) else "cpu")
-        hooks = measure_hooks(cfg.measure)
+        observers = observers_for(cfg.measure)
     except (BackendError, ConfigError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -199,7 +225,11 @@ def main(argv=None) -> int:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     dist.init_process_group(backend)
     try:
-        metrics = train(cfg, hooks)
+        with contextlib.ExitStack() as stack:
+            for observer in observers:
+                stack.enter_context(observer)
+            metrics = train(cfg)
+        metrics.update(measured(observers))
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, metrics)
         if dist.get_rank() == 0 and cfg.metrics_path:  # only rank 0 writes files

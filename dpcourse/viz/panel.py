@@ -140,8 +140,7 @@ class Panel:
     notebook's.
     """
 
-    def __init__(self, title: str, run, cluster=None, *, fixed: dict | None = None,
-                 world_size: int | None = None, **controls):
+    def __init__(self, title: str, run, cluster=None, *, fixed: dict | None = None, **controls):
         import ipywidgets as w
 
         controls = {name: make_control(name, spec) for name, spec in controls.items()}
@@ -149,7 +148,7 @@ class Panel:
         for control in self.controls.values():
             control.style.description_width = "initial"  # "bucket_cap_mb" whole, not "bucket_ca..."
         self.cluster, self.own = cluster, None  # the notebook's cluster; one the panel started
-        self._world_size = world_size or (cluster.world_size if cluster is not None else 2)
+        self._world_size = cluster.world_size if cluster is not None else 2
         self.result: Experiment | None = None
         self.button = w.Button(description="Run", button_style="primary", icon="play")
         self.fresh = w.Button(description="start a fresh cluster", icon="refresh",
