@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -39,7 +40,7 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
 LOCAL_HOSTS = {"127.0.0.1", "localhost"}
 FIGURES = ["draw_bucket_sweep(", "plot_memory(", "draw_collectives("]  # figures whose screenshots are kept for a look
 # the interactive widgets each notebook must have, so their checks below can never be skipped
-MOVED = {"4.1-data-parallelism-in-depth.ipynb": ["RingPlayer(", "LedgerPlayer(", "MemoryCalculator(", "Panel("],
+MOVED = {"4.1-data-parallelism-in-depth.ipynb": ["RingPlayer(", 'over="player"', "MemoryCalculator(", "Panel("],
          "4.2a-communication-and-ddp.ipynb": ["cluster_status("], "4.2b-fsdp.ipynb": ["Panel("]}
 TOKEN = "browser-test"
 # no news, no update checks: nothing in JupyterLab itself may reach out of this machine
@@ -182,8 +183,8 @@ def test_notebook_runs_in_the_browser(lab, browser, name):
         assert not missing, f"{name}: no cell creates {missing}; update MOVED in this test"
         if "RingPlayer(" in nb.sources():
             _check_ring_player(nb)
-        if "LedgerPlayer(" in nb.sources():
-            _check_slider_redraws(nb, "LedgerPlayer(")
+        if 'over="player"' in nb.sources():
+            _check_slider_redraws(nb, 'over="player"')
         if "MemoryCalculator(" in nb.sources():
             _check_calculator(nb)
         if "Panel(" in nb.sources():
@@ -191,7 +192,7 @@ def test_notebook_runs_in_the_browser(lab, browser, name):
         if "cluster_status(" in nb.sources():
             _check_status(nb)
         for marker in MOVED.get(name, []):  # only the widgets the checks moved have a new picture
-            nb.screenshot(nb.cell(marker), ARTIFACTS / f"{stem}-moved-{marker.strip('(')}.png")
+            nb.screenshot(nb.cell(marker), ARTIFACTS / f"{stem}-moved-{re.sub(r'\W+', '', marker)}.png")
         for marker in FIGURES:
             if marker in nb.sources():
                 nb.screenshot(nb.cell(marker), ARTIFACTS / f"{stem}-{marker.strip('(')}.png")

@@ -76,12 +76,12 @@ def test_timeline_has_one_panel_per_strategy_with_the_theory_outline(measured):
         theory_line = [line for line in ax.get_lines() if line.get_linestyle() == "--"][0]
         assert max(theory_line.get_ydata()) == pytest.approx(books[name][0].peak / 1024)
         assert len(ax.get_xticklabels()) == len(mem[name].frames(0))
-    with pytest.raises(ValueError, match="over must be 'strategy' or 'step'"):
+    with pytest.raises(ValueError, match="over must be 'strategy', 'step' or 'player'"):
         dpc.viz.plot_memory(mem, books, over="rank")
 
 
 def test_player_walks_the_recorded_step(measured):
-    player = dpc.viz.LedgerPlayer(*measured)
+    player = dpc.viz.plot_memory(*measured, over="player")
     frames = len(measured[0]["ddp"].frames(0))
     assert player.slider.max == player.play.max == frames - 1
     first = bytes(player.image.value)

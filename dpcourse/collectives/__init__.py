@@ -8,15 +8,13 @@
     simulate("ring_all_reduce", world_size, numel)     # the same schedule, no processes
     expected_after("all_gather(parts, t)", before)     # what each rank must hold afterwards
     step_bytes("FULL_SHARD", world_size, model)        # bytes one rank sends per training step
-    fit_alpha_beta(seconds_by_bytes, world_size)       # the alpha-beta model of measured times
 
 Modules: schedule (who sends what when), trace, ring (the one to read), fast_ring, naive,
 cost (the formulas: bus factors, bytes per rank, per training step), alpha_beta (the model
-fitted to timings and projected to real links), live (every collective's definition).
+projected to real links), live (every collective's definition).
 Bytes a rank really sends are measured by ``dpc.observe.Comm``.
 """
 from . import alpha_beta
-from .alpha_beta import fit_alpha_beta
 from .cost import (algbw, bus_factor, busbw, bytes_sent_per_rank, num_steps, ring_all_reduce_busbw,
                    ring_all_reduce_seconds, step_bytes)
 from .fast_ring import fast_ring_all_gather, fast_ring_all_reduce, fast_ring_reduce_scatter
@@ -29,7 +27,7 @@ from .traced import TracedRun, rank_input, trace_all_reduce
 
 __all__ = ["ALGORITHMS", "Frame", "Trace", "TracedRun", "Transfer", "algbw", "algorithm_steps", "alpha_beta",
            "bus_factor", "busbw", "bytes_sent_per_rank", "chunk_bounds", "contributions", "expected_after",
-           "fast_ring_all_gather", "fast_ring_all_reduce", "fast_ring_reduce_scatter", "fit_alpha_beta",
+           "fast_ring_all_gather", "fast_ring_all_reduce", "fast_ring_reduce_scatter",
            "naive_all_reduce", "num_steps", "rank_input", "ring_all_gather", "ring_all_reduce",
            "ring_all_reduce_busbw", "ring_all_reduce_seconds", "ring_reduce_scatter", "simulate",
            "step_bytes", "trace_all_reduce", "whole_ring_all_reduce"]

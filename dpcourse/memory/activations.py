@@ -48,3 +48,17 @@ def activation_bytes(model: str, batch_size: int, **sizes) -> int:
               + 2 * b * t * v  # logits and log_softmax
               + 2)  # the loss and cross-entropy's total weight
     return 4 * floats + 8 * (2 * b * t + t)  # int64 tokens, targets, positions
+
+
+def model_sizes(model) -> tuple[str, dict]:
+    """The course model's name and constructor sizes, read off an instance."""
+    kind = next((name for name, cls in models.MODELS.items() if type(model) is cls), None)
+    if kind is None:
+        raise ValueError(f"no activation estimate for a {type(model).__name__}: batch_size= works for "
+                         f"the course's models ({sorted(models.MODELS)}); pass activation_bytes= instead")
+    first = model.blocks[0]
+    if kind == "mlp":
+        return kind, {"d_in": first.linear.in_features, "d_hidden": first.linear.out_features,
+                      "depth": len(model.blocks), "d_out": model.head.out_features}
+    return kind, {"vocab_size": model.tok.num_embeddings, "d_model": model.tok.embedding_dim,
+                  "n_heads": first.n_heads, "n_layers": len(model.blocks), "seq_len": model.pos.num_embeddings}

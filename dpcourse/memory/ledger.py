@@ -29,7 +29,7 @@ import math
 from dataclasses import dataclass, field
 
 from .. import vocab
-from . import layout, transients
+from . import activations, layout, transients
 
 STRATEGIES = vocab.LEDGER_STRATEGIES
 PRECISIONS = vocab.PRECISIONS
@@ -96,7 +96,8 @@ class Ledger:
 def ledger(num_params: int, world_size: int, strategy: str, precision: str = "fp32",
            optimizer: str = "adam", *, shard_group_size: int | None = None, rank: int = 0,
            gradient_as_bucket_view: bool = False, reshard_after_forward: bool = True,
-           units=None, activation_bytes: int = 0, foreach: bool = False) -> Ledger:
+           units=None, activation_bytes: int = 0, batch_size: int | None = None,
+           foreach: bool = False) -> Ledger:
     """Bytes one rank holds for ``num_params`` parameters (elements) under ``strategy``.
 
     num_params may be a model: its parameter count, and (unless ``units`` is given) one FSDP
@@ -112,13 +113,25 @@ def ledger(num_params: int, world_size: int, strategy: str, precision: str = "fp
     the last ranks smaller optimizer-state chunks). units: the FSDP units, either numbers of
     parameters (elements) or lists of parameter shapes (``models.unit_shapes``); they make the
     padding, step counters and transient unit sizes exact (default: one unit of
-    ``num_params``). activation_bytes: per rank, e.g. from ``dpcourse.memory.activations``.
+    ``num_params``). activation_bytes: per rank, e.g. from ``dpcourse.memory.activations``;
+    or batch_size: a course model's activations for this per-rank batch, by formula.
     foreach: the optimizer's multi-tensor path (default on CUDA) instead of the per-tensor one.
     """
     if hasattr(num_params, "named_parameters"):  # a model: its size, and one unit per block
         model = num_params
         num_params = sum(p.numel() for p in model.parameters())
         units = layout.unit_shapes(model) if units is None else units
+        if batch_size is not None:
+            if activation_bytes:
+                raise LedgerError("give activation_bytes= or batch_size=, not both")
+            try:
+                kind, sizes = activations.model_sizes(model)
+            except ValueError as err:
+                raise LedgerError(str(err)) from None
+            activation_bytes = activations.activation_bytes(kind, batch_size, **sizes)
+    elif batch_size is not None:
+        raise LedgerError("batch_size= needs a model (the course's, e.g. dpc.models.build_model('mlp')); "
+                          "with a parameter count pass activation_bytes= instead")
     vocab.check_name("strategy", strategy, STRATEGIES, LedgerError)
     vocab.check_name("precision", precision, PRECISIONS, LedgerError)
     vocab.check_name("optimizer", optimizer, OPTIMIZERS, LedgerError)

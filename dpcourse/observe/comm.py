@@ -8,7 +8,7 @@ tensors and its ``Work``. For each, ``Comm`` records the payload S as nccl-tests
 (the all_gather output, the reduce_scatter input, a send's message) and what a
 bandwidth-optimal algorithm makes this rank send (``logical_sent``: S times
 ``dpcourse.collectives.cost.bus_factor``), the process group's ranks, and when it was
-issued and completed (``on_completion``). A record's ``step`` is the number of ``optimizer.step()`` calls that
+issued and completed (``Completions``). A record's ``step`` is the number of ``optimizer.step()`` calls that
 had completed when it was issued (``LoopWatch``), so step 2's records are the third step's.
 
 Wire bytes: ``/proc/self/io``'s ``wchar`` counts every byte the process hands to write
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from dataclasses import asdict, dataclass
 
 import torch
@@ -76,29 +77,81 @@ def _process_group(arg):
     return None
 
 
-def on_completion(work, fn, waiters: list) -> None:
-    """Call ``fn()`` when ``work`` completes: from its future's callback (the backend runs it
-    when the operation is done), or -- where the backend gives no future, as Gloo's
-    reduce-scatter -- from a helper thread that waits for it (kept in ``waiters``, to join).
-    Not for point-to-point Works: two threads waiting on one of Gloo's block each other."""
-    import torch.distributed as dist
+class Completions:
+    """Calls ``fn()`` when a collective completes, for one observed call.
 
-    if work is None or isinstance(work, int):  # it blocked: done now
-        fn()
-        return
-    try:
+    From the ``Work``'s future where the backend gives one (it runs the callback when the
+    operation is done). Gloo's reduce-scatter gives none, nor an ``is_completed()`` that ever
+    turns true: its result is copied into the output inside the caller's ``wait()``. So for
+    such a work one helper thread watches the output tensor's version counter (through a weak
+    reference, so no tensor lives longer) every half millisecond, and the copy marks the end.
+    It never calls ``wait()`` itself: a second ``wait()`` on such a work runs its reduction
+    again, which corrupted the gradients under HYBRID_SHARD. Point-to-point works are not for
+    this: Gloo completes them only inside the caller's ``wait()``, and their end stays unknown.
+    """
+
+    def __init__(self):
+        self._pending: list = []  # (weak reference to the output, its version at issue, fn)
+        self._wake = threading.Condition()
+        self._closing = False
+        self._thread: threading.Thread | None = None
+
+    def add(self, work, fn, output: torch.Tensor | None = None) -> None:
+        import torch.distributed as dist
+
+        if work is None or isinstance(work, int):  # it blocked: done now
+            fn()
+            return
         if not isinstance(work, dist.Work):  # the dispatcher hands over a boxed (script) Work
             work = dist.Work.unbox(work)
-        work.get_future().add_done_callback(lambda _future: fn())
-    except Exception:
-        def wait():
-            try:
-                work.wait()
-            finally:
-                fn()
-        waiter = threading.Thread(target=wait, daemon=True)
-        waiter.start()
-        waiters.append(waiter)
+        try:
+            work.get_future().add_done_callback(lambda _future: fn())
+            return
+        except RuntimeError:  # "Work::getFuture not implemented"
+            pass
+        if output is None:
+            return  # nothing to watch: the end stays unknown
+        with self._wake:
+            self._pending.append((weakref.ref(output), output._version, fn))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._poll, daemon=True, name="dpcourse-completions")
+                self._thread.start()
+            self._wake.notify()
+
+    def _poll(self) -> None:
+        while True:
+            with self._wake:
+                while not self._pending and not self._closing:
+                    self._wake.wait()
+                last = self._closing
+                done, waiting = [], []
+                for entry in self._pending:
+                    tensor = entry[0]()
+                    (done if tensor is None or tensor._version != entry[1] else waiting).append(entry)
+                    del tensor
+                self._pending = waiting
+            for entry in done:
+                entry[2]()
+            if last:
+                return
+            time.sleep(0.0005)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """One last look, then stop the helper thread; a work still pending keeps an unknown end."""
+        with self._wake:
+            self._closing = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+
+def first_tensor(arg) -> torch.Tensor | None:
+    """The first tensor in a c10d op's argument (a tensor or nested lists of them)."""
+    if isinstance(arg, torch.Tensor):
+        return arg
+    if isinstance(arg, (list, tuple)):
+        return next((t for t in map(first_tensor, arg) if t is not None), None)
+    return None
 
 
 def logical_sent(collective: str, nbytes: int, world_size: int) -> int | None:
@@ -153,7 +206,7 @@ class Comm:
 
         self._dist = dist
         self._records: list[CommRecord] = []
-        self._waiters: list = []
+        self._completions = Completions()
         self._wire = [wire_bytes_written()]  # at the call's start and at every step's end
         self._watch = LoopWatch(on_step_end=lambda w: self._wire.append(wire_bytes_written()))
         self._watch.__enter__()
@@ -165,8 +218,7 @@ class Comm:
         self._listening.__exit__(*exc)
         self._watch.__exit__(*exc)
         self._wire.append(wire_bytes_written())
-        for waiter in self._waiters:
-            waiter.join(timeout=10)
+        self._completions.close()
 
     def _issued(self, issued) -> None:
         name, args = issued.op, issued.args
@@ -184,9 +236,10 @@ class Comm:
                             ranks, self._watch.steps, issued.start, peer=peer, payload=payload)
         self._records.append(record)
         if record.peer is None or issued.work is None or isinstance(issued.work, int):
-            on_completion(issued.work, lambda: setattr(record, "end", time.perf_counter()), self._waiters)
-        # a point-to-point Work on Gloo has no future, and a second waiter on it would block the
-        # caller's own wait(): its end stays unknown (None)
+            self._completions.add(issued.work, lambda: setattr(record, "end", time.perf_counter()),
+                                  first_tensor(args[0]) if args else None)  # c10d ops: the output first
+        # a point-to-point Work on Gloo has no future and completes only inside the caller's
+        # wait(): its end stays unknown (None)
 
     def result(self) -> dict:
         wire = self._wire

@@ -31,7 +31,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from ..pool.tracker import TRACKER
-from .comm import on_completion
+from .comm import Completions, first_tensor
 from . import events as ev
 from .watch import LoopWatch, unwrapped_names
 
@@ -65,7 +65,7 @@ class Timeline:
         self._backward_open = None  # (layer name, start) of the layer whose backward runs now
         self._backward_end = None  # when backward compute last ended
         self._comm_counts: dict[str, int] = {}
-        self._waiters: list = []
+        self._completions = Completions()
         self._clocks = [(time.perf_counter(), time.process_time())]  # at the start and every step's end
         self._watch = LoopWatch(on_forward=self._on_outer_forward, on_step_begin=self._on_step_begin,
                                 on_step_end=self._on_step_end)
@@ -81,8 +81,7 @@ class Timeline:
         for handle in self._handles:
             handle.remove()
         self._watch.__exit__(*exc)
-        for waiter in self._waiters:  # collectives without a future report from a thread
-            waiter.join(timeout=10)
+        self._completions.close()  # collectives without a future report from its thread
 
     def _add(self, lane: str, kind: str, name: str, start: float, end: float, nbytes: int = 0,
              step: int | None = None) -> None:
@@ -156,9 +155,10 @@ class Timeline:
                  "nbytes": nbytes, "step": self._watch.steps}
         self._events.append(event)
         if issued.collective != "send" or issued.work is None or isinstance(issued.work, int):
-            on_completion(issued.work, lambda: event.__setitem__("end", time.perf_counter()), self._waiters)
-        # an isend on Gloo has no future, and a second waiter would block the caller's wait():
-        # it is left out of the timeline (result() keeps finished events only)
+            self._completions.add(issued.work, lambda: event.__setitem__("end", time.perf_counter()),
+                                  first_tensor(issued.args[0]) if issued.args else None)  # the output
+        # an isend on Gloo has no future and completes only inside the caller's wait(): it is
+        # left out of the timeline (result() keeps finished events only)
 
     def result(self) -> dict:
         clocks = self._clocks

@@ -8,12 +8,12 @@ cluster's state.
 from .calculator import MemoryCalculator
 from .collectives import draw_collective, draw_collectives
 from .colors import rank_color
-from .memory import LedgerPlayer, plot_memory
+from .memory import plot_memory
 from .panel import Experiment, Panel
 from .ring import RingPlayer, draw_frame, plot_ring_trace, render_frame_png
 from .status import cluster_status
 from .timeline import draw_bucket_sweep, draw_timeline
 
-__all__ = ["Experiment", "LedgerPlayer", "MemoryCalculator", "Panel", "RingPlayer", "cluster_status",
+__all__ = ["Experiment", "MemoryCalculator", "Panel", "RingPlayer", "cluster_status",
            "draw_bucket_sweep", "draw_collective", "draw_collectives", "draw_frame", "draw_timeline",
            "plot_memory", "plot_ring_trace", "rank_color", "render_frame_png"]

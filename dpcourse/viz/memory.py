@@ -69,12 +69,16 @@ def plot_memory(measured: dict, theory: dict, rank: int = 0, over: str = "strate
     (solid); short lines above each pair mark the peak over the recorded step (dashed: theory,
     solid: measured). over="step": memory over the recorded step, stacked by category, one
     panel per configuration, the dashed line the theory's total for each moment.
+    over="player": a widget that plays the recorded step frame by frame, every rank side by
+    side (a ``LedgerPlayer``; display it by leaving it as a cell's last expression).
     """
+    if over == "player":
+        return LedgerPlayer(measured, theory, names, unit)
     chosen = configs(measured, theory, names)
     if over == "step":
         return plot_timeline(chosen, rank, unit, axes=ax)
     if over != "strategy":
-        raise ValueError(f"over must be 'strategy' or 'step', not {over!r}")
+        raise ValueError(f"over must be 'strategy', 'step' or 'player', not {over!r}")
     return plot_bars(chosen, rank, unit, ax)
 
 
