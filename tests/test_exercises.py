@@ -27,7 +27,8 @@ INDEPENDENT = textwrap.dedent('''
 
     p = argparse.ArgumentParser()
     for name, kind, default in [("--epochs", int, 3), ("--batch-size", int, 32), ("--lr", float, 0.05),
-                                ("--num-samples", int, 256), ("--seed", int, 0), ("--out", str, "model.pt")]:
+                                ("--num-samples", int, 256), ("--seed", int, 0), ("--out", str, "model.pt"),
+                                ("--max-norm", float, 0.5)]:
         p.add_argument(name, type=kind, default=default)
     args = p.parse_args()
     dist.init_process_group(backend="gloo")
@@ -43,13 +44,25 @@ INDEPENDENT = textwrap.dedent('''
         for x, y in DataLoader(data, batch_size=args.batch_size, sampler=sampler):
             opt.zero_grad()
             F.mse_loss(ddp(x), y).backward()
+            torch.nn.utils.clip_grad_norm_(ddp.parameters(), max_norm=args.max_norm)
             opt.step()
+        EVALUATE
         if dist.get_rank() == 0:
             print("done with epoch", epoch)
     if dist.get_rank() == 0:
         torch.save(net.state_dict(), args.out)
     dist.destroy_process_group()
 ''')
+
+# evaluations on the whole dataset after every epoch: not training epochs, whoever runs them
+EVALUATIONS = {
+    "no evaluation": "pass",
+    "every rank evaluates": """with torch.no_grad():
+            loss = sum(F.mse_loss(ddp(x), y, reduction="sum") for x, y in DataLoader(data, batch_size=64))""",
+    "rank 0 evaluates": """if dist.get_rank() == 0:
+            with torch.no_grad():
+                loss = sum(F.mse_loss(net(x), y, reduction="sum") for x, y in DataLoader(data, batch_size=50))""",
+}
 
 # (mistake, edit of the reference, the item that must fail, words its detail must contain)
 MISTAKES = [
@@ -86,12 +99,24 @@ def item(report, name: str):
     return next(i for i in report.items if i.name.startswith(name))
 
 
-def test_reference_and_an_independent_conversion_pass(tmp_path):
+def test_the_reference_passes(tmp_path):
     report = dpc.exercises.check_a(write(tmp_path, REFERENCE))
     assert report.passed, str(report)
-    independent = dpc.exercises.check_a(write(tmp_path, INDEPENDENT))
+    assert "passed (8 of 8 checks)" in str(report) and "<table>" in report._repr_html_()
+
+
+@pytest.mark.parametrize("evaluation", list(EVALUATIONS))
+def test_independent_conversions_pass_with_or_without_an_evaluation(tmp_path, evaluation):
+    independent = dpc.exercises.check_a(write(tmp_path, INDEPENDENT.replace("EVALUATE", EVALUATIONS[evaluation])))
     assert independent.passed, str(independent)
-    assert "passed (8 of 8 checks)" in str(independent) and "<table>" in independent._repr_html_()
+
+
+def test_an_evaluation_does_not_hide_a_missing_set_epoch(tmp_path):
+    script = INDEPENDENT.replace("EVALUATE", EVALUATIONS["every rank evaluates"]).replace(
+        "    sampler.set_epoch(epoch)\n", "")
+    assert "set_epoch" not in script
+    report = dpc.exercises.check_a(write(tmp_path, script))
+    assert item(report, "the order changes between epochs").status == "fail", str(report)
 
 
 def test_untouched_starter_is_not_attempted(tmp_path):

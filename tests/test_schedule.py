@@ -97,7 +97,7 @@ def test_expected_after_follows_the_definitions(n):
     after = expected_after("all_to_all_single(got, t)", before)
     assert all(after[r][2 * k:2 * k + 2].tolist() == before[k][2 * r:2 * r + 2].tolist()
                for r in range(n) for k in range(n))
-    who = contributions("reduce_scatter_tensor(part, t)", before)
+    who = contributions("reduce_scatter_single(part, t)", before)
     assert all(w == frozenset(range(n)) for row in who for w in row)
     small = [torch.arange(2) for _ in range(n)]
     assert contributions("gather(t, parts, dst=0)", small)[0] == [frozenset([k]) for k in range(n) for _ in range(2)]
@@ -108,7 +108,7 @@ def test_drawings_never_need_processes():
     fig = dpc.viz.plot_ring_trace(trace)
     assert len([ax for ax in fig.axes if ax.patches]) == 7  # start + 6 steps
     assert dpc.viz.render_frame_png(trace, trace.frames()[3])[:4] == b"\x89PNG"
-    calls = ["broadcast(t, src=1)", "all_reduce(t)", "all_gather(parts, t)", "reduce_scatter_tensor(part, t)",
+    calls = ["broadcast(t, src=1)", "all_reduce(t)", "all_gather(parts, t)", "reduce_scatter_single(part, t)",
              "gather(t, parts, dst=0)"]
     before = [10 * (r + 1) + torch.arange(6) for r in range(3)]
     per_rank = [{} for _ in range(3)]

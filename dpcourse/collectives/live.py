@@ -2,7 +2,7 @@
 
 A notebook runs the real ``torch.distributed`` calls on its ranks and keeps, per rank, each
 call's tensor before and after it, keyed by the call as written (``"all_reduce(t)"``,
-``"reduce_scatter_tensor(part, t)"``, ``"broadcast(t, src=0)"``). ``expected_after``
+``"reduce_scatter_single(part, t)"``, ``"broadcast(t, src=0)"``). ``expected_after``
 computes from the "before" tensors, in one process, what the documentation says each rank
 holds afterwards, so the ranks can be checked against it; ``contributions`` says which
 ranks' values each element holds, for the drawing (``dpcourse.viz.draw_collectives``).
@@ -15,8 +15,9 @@ import torch
 
 # torch.distributed's function -> the collective it is
 FUNCTIONS = {"broadcast": "broadcast", "reduce": "reduce", "all_reduce": "all_reduce",
-             "all_gather": "all_gather", "all_gather_into_tensor": "all_gather",
+             "all_gather": "all_gather", "all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather",
              "reduce_scatter": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
+             "reduce_scatter_single": "reduce_scatter",
              "all_to_all": "all_to_all", "all_to_all_single": "all_to_all",
              "gather": "gather", "scatter": "scatter"}
 

@@ -49,7 +49,7 @@ def ring_reduce_scatter_steps(world_size: int, first_step: int = 0) -> list[list
     """N-1 steps; at step s rank r sends chunk (r-s-1) mod N to rank r+1, which adds it.
 
     After the last step rank r holds chunk r fully reduced -- the chunk that
-    ``dist.reduce_scatter_tensor`` gives rank r.
+    ``dist.reduce_scatter_single`` gives rank r.
     """
     n = world_size
     return [[Send("reduce-scatter", first_step + s, r, (r + 1) % n, (r - s - 1) % n)

@@ -1,6 +1,7 @@
 """Exercises: starters the learner edits, checkers that say item by item what is right.
 
     report = dpc.exercises.check_a("train_ddp.py")   # runs it on 2 ranks under torchrun
+    report = dpc.exercises.check_f("train_fsdp.py")  # the same, for the FSDP2 conversion
     report.passed, report.items                        # shown as a table in Jupyter
     dpc.exercises.solution("A")                        # the reference solution, on request
     dpc.exercises.check_d(ring_reduce_scatter, ring_all_gather)   # on 2-5 real ranks
@@ -16,16 +17,17 @@ import os
 
 from .exercise_a import check_a
 from .exercise_d import check_d
+from .exercise_f import check_f
 from .report import Item, Report
 from .selfcheck import check_answer
 
-SOLUTIONS = {"A": "train_ddp"}  # a script of dpc.scripts
+SOLUTIONS = {"A": "train_ddp", "F": "train_fsdp"}  # scripts of dpc.scripts
 # files in solutions/
 SOLUTION_FILES = {"B": "table_b.py", "C": "answers_c.py", "D": "ring_d.py", "E": "bucketed_e.py"}
 
 
 def solution(exercise: str) -> str:
-    """The reference solution of ``exercise`` ("A" to "E"), as source text (print it to read it)."""
+    """The reference solution of ``exercise`` ("A" to "F"), as source text (print it to read it)."""
     from .. import scripts
 
     key = exercise.upper()
@@ -58,5 +60,5 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["Item", "Report", "check_a", "check_b", "check_c", "check_d", "check_e", "check_answer", "run_b",
+__all__ = ["Item", "Report", "check_a", "check_b", "check_c", "check_d", "check_e", "check_answer", "check_f", "run_b",
            "run_c", "solution"]

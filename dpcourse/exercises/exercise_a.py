@@ -2,7 +2,9 @@
 
 It judges behaviour, not text: the script runs on 2 ranks under ``torchrun`` with the
 course's observer (``observe.py``), and next to it the reference solution with the same
-arguments. Any correct conversion passes.
+arguments. Any correct conversion passes. Only the training loop's passes over the data
+count as epochs (a pass with optimizer steps): an evaluation pass, on every rank or on
+rank 0 only, is the learner's business. Exercise F's checker shares these judges.
 """
 from __future__ import annotations
 
@@ -77,8 +79,9 @@ def _judge_sampling(report: Report, logs: list[dict], finished: bool) -> None:
     epochs = [log["epochs"] for log in logs]
     if not all(epochs):
         report.add("each epoch, the ranks read disjoint samples that cover the dataset", None,
-                   "no rank read from the course's dataset (is it built with make_dataset?)"
-                   if finished else "the run ended before every rank read from the dataset")
+                   "no rank stepped its optimizer while reading the course's dataset (is it built "
+                   "with make_dataset and read through a DataLoader?)"
+                   if finished else "the run ended before every rank trained on the dataset")
         report.add("the order changes between epochs (set_epoch)", None)
         return
     n = int(ARGS[ARGS.index("--num-samples") + 1])

@@ -37,6 +37,7 @@ def parse_args(argv=None):
     parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate")
     parser.add_argument("--num-samples", type=int, default=256, help="size of the synthetic dataset")
     parser.add_argument("--seed", type=int, default=0, help="seeds the initial weights and the shuffle")
+    parser.add_argument("--max-norm", type=float, default=0.5, help="clip the gradients' global norm to this")
     parser.add_argument("--out", default="model.pt", help="where rank 0 saves the trained weights")
     return parser.parse_args(argv)
 
@@ -81,6 +82,7 @@ def main(argv=None):
             loss = F.mse_loss(model(x), y)
             optimizer.zero_grad()
             loss.backward()  # gradients are averaged over the ranks here, bucket by bucket
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_norm)  # every rank: the same norm
             optimizer.step()  # identical gradients -> identical updates: replicas stay equal
             total += loss.detach()
             steps += 1

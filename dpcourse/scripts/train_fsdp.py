@@ -15,9 +15,10 @@ From the course notebook, on its ranks (what `torchrun --standalone` would do):
 
     cluster.run_script("train_fsdp.py", "--batch-size", "16", "--out", "model.pt")
 
---batch-size is per rank, as in train_ddp.py: the 2-process command above trains exactly
-what `python train_single.py --batch-size 32` trains (to float rounding; the dataset size
-must be a multiple of the world size), and saves the same full, unsharded weights.
+--batch-size is per rank, as in train_ddp.py: the 2-process command above trains what
+`python train_single.py --batch-size 32` trains -- to bf16's rounding by default, and to
+float rounding with --param-dtype float32 (the dataset size must be a multiple of the
+world size) -- and saves the same full, unsharded weights.
 """
 import argparse
 import os
@@ -27,7 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DataLoader, DistributedSampler
 
 from dpcourse.models import MLP, make_dataset
@@ -40,6 +41,9 @@ def parse_args(argv=None):
     parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate")
     parser.add_argument("--num-samples", type=int, default=256, help="size of the synthetic dataset")
     parser.add_argument("--seed", type=int, default=0, help="seeds the initial weights and the shuffle")
+    parser.add_argument("--max-norm", type=float, default=0.5, help="clip the gradients' global norm to this")
+    parser.add_argument("--param-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                        help="dtype of the gathered parameters (the shards stay float32)")
     parser.add_argument("--out", default="model.pt", help="where rank 0 saves the full trained weights")
     return parser.parse_args(argv)
 
@@ -65,11 +69,17 @@ def main(argv=None):
 
     # Unlike DDP, fully_shard does not broadcast rank 0's weights: each rank keeps its slice
     # of its OWN weights. The same seed on every rank, before sharding, makes them one model.
+    # Mixed precision: each unit's weights are gathered (and computed with) in param_dtype,
+    # gradients reduced in float32; the float32 shards are the master copy the optimizer
+    # steps. bf16 runs on CPUs too, only slower; on GPUs it needs Ampere or newer.
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        args.param_dtype = "float32"
+    policy = MixedPrecisionPolicy(param_dtype=getattr(torch, args.param_dtype), reduce_dtype=torch.float32)
     torch.manual_seed(args.seed)
     model = MLP().to(device)
     for block in model.blocks:  # one unit per block: its weights are gathered just in time
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)  # the root takes what is left (the head)
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)  # the root takes what is left (the head)
     # After sharding: the parameters are now DTensors, and the optimizer must hold those.
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
 
@@ -87,6 +97,9 @@ def main(argv=None):
             loss = F.mse_loss(model(x), y)  # all-gathers each block's weights, then frees them
             optimizer.zero_grad()
             loss.backward()  # reduce-scatters: each rank gets the averaged gradient of its slice
+            # The norm of the whole gradient, although each rank holds a slice: the gradients
+            # are DTensors, and the norm of a DTensor sums the slices' squares over the ranks.
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_norm)
             optimizer.step()  # each rank updates only its own slice
             total += loss.detach()
             steps += 1

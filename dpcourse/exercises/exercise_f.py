@@ -1,0 +1,230 @@
+"""Exercise F: turn the single-device ``train_single.py`` into FSDP2; the checker runs it under torchrun.
+
+    report = dpc.exercises.check_f("train_fsdp.py")
+
+Like exercise A it judges behaviour: the script runs on 2 ranks under ``torchrun`` with the
+course's worker observer (``observe.py``: the samples each training pass reads, every
+collective with its dtype, the gradients' squares before each optimizer step, the size of
+what the optimizer steps), and the same training runs as one process with
+``train_single.py`` at the global batch size. What is judged: it completes; each rank reads
+its own samples and a new order every epoch; each rank's optimizer steps about 1/N of every
+parameter, as DTensor shards; every block is a unit of its own (gathered and reduce-scattered
+every step); the gathers carry bf16 and the reductions fp32; the gradients' global norm is
+clipped to ``--max-norm``; the final weights equal the single-process run's within bf16's
+rounding; rank 0 alone writes a checkpoint with plain keys that loads into the plain MLP;
+every rank leaves the group.
+"""
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+from .. import models, scripts
+from . import exercise_a as a
+from .observe import read_log
+from .report import Report
+from .torchrun import torchrun
+
+WORLD_SIZE = 2
+MAX_NORM = 0.5
+ARGS = a.ARGS + ["--max-norm", str(MAX_NORM)]  # 2 epochs, 16 samples per rank, 128 samples
+TOLERANCE = {"bfloat16": 1e-3, "float16": 1e-3, "float32": 1e-5}  # largest |weight difference|
+# measured with these ARGS: bf16 gathers drift 1.1e-4 from float32 one process (float32 gathers
+# 3e-8); a summed loss, whose gradients clipping then shrinks in more steps, misses by 3.6e-3
+ITEMS = {"sharded": "each rank's optimizer steps about 1/2 of every parameter, as DTensor shards",
+         "units": "every block is a unit: its weights gathered and its gradients reduce-scattered each step",
+         "precision": "mixed precision: gathers in bf16, gradients reduced in fp32",
+         "clip": "the gradients' global norm is clipped to --max-norm before every step",
+         "weights": "final weights equal one process training the global batch (train_single.py), "
+                    "to bf16's rounding"}
+_reference_cache: dict[tuple, dict] = {}
+
+
+def check_f(path: str = "train_fsdp.py", timeout: float = 240.0) -> Report:
+    """Run the learner's FSDP2 script on 2 ranks under torchrun and say, item by item, what is right."""
+    report = Report("Exercise F")
+    if not os.path.exists(path):
+        report.attempted = False
+        report.note = f"Write {path!r} (start from a copy of train_single.py), then run this cell again."
+        return report
+    if a._same_text(path, scripts.path("train_single")):
+        report.attempted = False
+        report.note = f"{path!r} is still train_single.py, unchanged: shard it with fully_shard."
+        return report
+    with tempfile.TemporaryDirectory(prefix="dpcourse-check-f-") as work:
+        run = torchrun(path, ARGS, work, WORLD_SIZE, timeout)
+        _judge(report, run, timeout)
+    return report
+
+
+def _judge(report: Report, run, timeout: float) -> None:
+    logs = [read_log(run.observed, r) for r in range(WORLD_SIZE)]
+    finished = run.returncode == 0 or a.aborted_after_finishing(run, logs)
+    if run.timed_out:
+        report.add("runs to completion on 2 ranks", False,
+                   f"did not finish within {timeout:g} s and was stopped (no process left behind): "
+                   "a rank may wait in a collective the other never calls -- gathering the full "
+                   "state dict is one: call it on every rank, save on rank 0")
+    else:
+        report.add("runs to completion on 2 ranks", finished,
+                   "exit code 0" if run.returncode == 0 else
+                   "every rank returned from destroy_process_group; a rank was then aborted (SIGABRT) "
+                   "while Python exited, a known race in Gloo's teardown, not your script" if finished else
+                   f"torchrun exited with code {run.returncode}:\n{a._error_excerpt(run.output, run.script)}")
+    a._judge_sampling(report, logs, finished=finished)
+    report.add(ITEMS["sharded"], *_judge_shards(logs))
+    report.add(ITEMS["units"], *_judge_units(logs))
+    dtype, verdict = _judge_precision(logs)
+    report.add(ITEMS["precision"], *verdict)
+    report.add(ITEMS["clip"], *_judge_clip(logs))
+    a._judge_logging_and_saving(report, run, logs, finished)
+    weights = _judge_checkpoint(report, logs) if finished else None
+    report.add(ITEMS["weights"], *_judge_weights(weights, dtype))
+    report.add("destroys the process group on every rank",
+               all(log["destroyed"] for log in logs) if finished else None,
+               ", ".join(f"rank {r} never called dist.destroy_process_group()"
+                         for r, log in enumerate(logs) if not log["destroyed"]))
+
+
+def _judge_shards(logs) -> tuple[bool | None, str]:
+    shards = [log["shards"] for log in logs]
+    if any(s is None for s in shards):
+        return None, "judged at the first optimizer step, which a rank never reached"
+    local, total, dtensors, params = shards[0]
+    if dtensors < params:
+        return False, (f"rank 0's optimizer holds {params - dtensors} of {params} parameters as plain "
+                       "tensors: create the optimizer after fully_shard, from model.parameters() -- "
+                       "fully_shard replaces every parameter by a DTensor shard")
+    held = [s[0] / s[1] for s in shards]
+    if any(abs(h - 1 / WORLD_SIZE) > 0.1 for h in held):
+        return False, (f"the ranks step {', '.join(f'{h:.0%}' for h in held)} of the parameters' "
+                       "elements: is every parameter sharded over all ranks (a 1-D mesh of the world)?")
+    return True, f"{params} DTensor parameters; rank 0 steps {local:,} of {total:,} elements"
+
+
+def _per_step(log, collective: str) -> list[int]:
+    """Calls of ``collective`` in each complete step (optimizer step k ends step k)."""
+    steps = max(log["grads"], default=-1) + 1
+    return [sum(1 for s, c, *_ in log["comms"] if s == k and c == collective) for k in range(steps)]
+
+
+def _judge_units(logs) -> tuple[bool | None, str]:
+    log, blocks = logs[0], len(models.MLP().blocks)
+    gathers, scatters = _per_step(log, "all_gather"), _per_step(log, "reduce_scatter")
+    if not scatters:
+        return None, "judged once a step completes"
+    if min(scatters) == 0:
+        return False, ("no reduce-scatter in a step: are the gradients sharded? (DDP all-reduces; "
+                       "fully_shard reduce-scatters)")
+    if min(scatters) < blocks or min(gathers) < blocks:
+        return False, (f"rank 0 made {min(gathers)} all-gather(s) and {min(scatters)} reduce-scatter(s) "
+                       f"in a step, fewer than the MLP's {blocks} blocks: apply fully_shard to each "
+                       "block first, then to the whole model")
+    return True, f"per step on rank 0: {min(gathers)} all-gathers, {min(scatters)} reduce-scatters"
+
+
+def _judge_precision(logs) -> tuple[str | None, tuple]:
+    comms = logs[0]["comms"]
+    gathered = {d for _, c, d, *_ in comms if c == "all_gather"}
+    reduced = {d for _, c, d, *_ in comms if c == "reduce_scatter"}
+    if not gathered or not reduced:
+        return None, (None, "judged once parameters are gathered and gradients reduce-scattered")
+    low = {"bfloat16", "float16"}
+    dtype = next(iter(gathered)) if len(gathered) == 1 else None
+    cuda_without_bf16 = torch.cuda.is_available() and not torch.cuda.is_bf16_supported()
+    if not gathered <= low and not (cuda_without_bf16 and gathered == {"float32"}):
+        return dtype, (False, f"the all-gathers carried {', '.join(sorted(gathered))}: gather in bf16 with "
+                       "fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, ...)) "
+                       "(PyTorch runs bf16 on CPUs too)")
+    if reduced != {"float32"}:
+        return dtype, (False, f"the reduce-scatters carried {', '.join(sorted(reduced))}: reduce in float32 "
+                       "(MixedPrecisionPolicy's reduce_dtype), or small gradients lose their low bits "
+                       "when the ranks' values are summed")
+    return dtype, (True, f"gathers in {', '.join(sorted(gathered))}, reductions in float32")
+
+
+def _judge_clip(logs) -> tuple[bool | None, str]:
+    steps = sorted(set.intersection(*(set(log["grads"]) for log in logs)))
+    if not steps:
+        return None, "judged at the first optimizer step, which a rank never reached"
+    dtensors = all(log["shards"] and log["shards"][2] == log["shards"][3] for log in logs)
+    norms = []
+    for k in steps:
+        squares = [log["grads"][k] for log in logs]
+        # sharded: each rank holds its slice, the global norm adds them; replicated: any rank's
+        norms.append(math.sqrt(sum(squares)) if dtensors else math.sqrt(squares[0]))
+    worst = max(range(len(norms)), key=lambda k: norms[k])
+    if norms[worst] > MAX_NORM * (1 + 1e-3):
+        return False, (f"before optimizer step {steps[worst]} the gradients' global norm was "
+                       f"{norms[worst]:.3f}, above --max-norm {MAX_NORM} -- call "
+                       "torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_norm) between backward() "
+                       "and optimizer.step(): on DTensor gradients its norm covers every rank's slice, "
+                       "which clipping each rank's own slice does not")
+    return True, f"{len(steps)} steps, every global norm at most {MAX_NORM}"
+
+
+def _judge_checkpoint(report: Report, logs: list[dict]):
+    name = "the checkpoint loads into the plain model (plain keys, full tensors)"
+    saves = logs[0]["saves"]
+    if not saves or not os.path.exists(saves[-1]):
+        report.add(name, None, "no checkpoint file from rank 0")
+        return None
+    try:
+        state = torch.load(saves[-1], map_location="cpu")
+    except Exception as err:  # e.g. DTensors: they do not load without a process group
+        report.add(name, False, f"torch.load could not read it ({type(err).__name__}): save full tensors -- "
+                   "get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)) on every rank")
+        return None
+    if not isinstance(state, dict):
+        report.add(name, False, f"the checkpoint holds a {type(state).__name__}, not a state dict")
+        return None
+    sharded = [k for k, v in state.items() if type(v).__name__ == "DTensor"]
+    if sharded:
+        report.add(name, False, f"its values are DTensors (e.g. {sharded[0]!r}), each rank's slice: gather "
+                   "a full state dict with get_model_state_dict(model, options=StateDictOptions("
+                   "full_state_dict=True)), called on every rank")
+        return None
+    try:
+        models.MLP().load_state_dict(state)
+    except RuntimeError as err:
+        report.add(name, False, str(err).splitlines()[0])
+        return None
+    report.add(name, True)
+    return state
+
+
+def _judge_weights(weights, dtype) -> tuple[bool | None, str]:
+    if weights is None:
+        return None, "no loadable checkpoint to compare"
+    reference = reference_weights()
+    diff = max((weights[k].float() - reference[k]).abs().max().item() for k in reference)
+    tolerance = TOLERANCE.get(dtype or "bfloat16", TOLERANCE["bfloat16"])
+    if diff <= tolerance:
+        return True, f"largest difference {diff:.1e}"
+    return False, (f"largest difference {diff:.1e}, more than {dtype or 'bf16'}'s rounding explains -- do all "
+                   "ranks start from the same seed before sharding (fully_shard does not broadcast)? is the "
+                   "loss a mean over each rank's batch? the same learning rate and --max-norm?")
+
+
+def reference_weights(timeout: float = 180.0) -> dict:
+    """``train_single.py`` at the global batch size, as one process (computed once per process)."""
+    args = list(ARGS)
+    i = args.index("--batch-size")
+    args[i + 1] = str(int(args[i + 1]) * WORLD_SIZE)
+    key = tuple(args)
+    if key not in _reference_cache:
+        with tempfile.TemporaryDirectory(prefix="dpcourse-reference-f-") as work:
+            out = os.path.join(work, "model.pt")
+            args[args.index("--out") + 1] = out
+            done = subprocess.run([sys.executable, scripts.path("train_single"), *args], cwd=work,
+                                  capture_output=True, text=True, timeout=timeout,
+                                  env={**os.environ, "OMP_NUM_THREADS": "1"})
+            if done.returncode != 0:
+                raise RuntimeError(f"train_single.py failed:\n{a._tail(done.stdout + done.stderr)}")
+            _reference_cache[key] = torch.load(out, map_location="cpu")
+    return _reference_cache[key]
