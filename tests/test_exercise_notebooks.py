@@ -1,7 +1,8 @@
-"""Exercise notebooks C and D run whole in a real kernel with the reference solution filled
-in, and their checker cell says "passed" (A, B and E: in their own test files)."""
+"""Exercise notebooks D and F run whole in a real kernel with the reference solution filled
+in, and their checker cell says "passed" (A, B, C and E: in their own test files)."""
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import nbformat
@@ -28,12 +29,6 @@ def run_with(name: str, replace: dict[str, str], checker: str) -> str:
     return shown[0]
 
 
-def test_c_notebook_with_the_solution_filled_in():
-    text = run_with("C-sharding-strategies.ipynb", {"answers = {": dpc.exercises.solution("C")},
-                    "check_c(")
-    assert "Exercise C: passed" in text, text
-
-
 def test_d_notebook_with_the_solution_filled_in():
     # the notebook checks N = 2..5; 2 and 3 ranks keep this test short, with an uneven split
     text = run_with("D-ring-all-reduce.ipynb", {
@@ -43,3 +38,14 @@ def test_d_notebook_with_the_solution_filled_in():
                                            "ring_all_gather, world_sizes=(2, 3))\nreport",
     }, "check_d(")
     assert "Exercise D: passed" in text, text
+
+
+def test_f_notebook_with_the_solution_filled_in(tmp_path):
+    folder = tmp_path / "exercises"
+    shutil.copytree(NOTEBOOKS, folder, symlinks=False)
+    (folder / "train_fsdp.py").write_text(dpc.exercises.solution("F"))
+    nb = nbformat.read(folder / "F-single-device-to-fsdp2.ipynb", as_version=4)
+    NotebookClient(nb, timeout=300, resources={"metadata": {"path": str(folder)}}).execute()
+    shown = [o["data"]["text/plain"] for c in nb.cells if c.cell_type == "code" and "check_f(" in c.source
+             for o in c.get("outputs", []) if o.get("output_type") == "execute_result"]
+    assert shown and "Exercise F: passed (12 of 12 checks)" in shown[0], shown

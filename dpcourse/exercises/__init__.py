@@ -7,9 +7,8 @@
     dpc.exercises.check_d(ring_reduce_scatter, ring_all_gather)   # on 2-5 real ranks
     dpc.exercises.check_e(MyBucketedDDP)               # next to torch DDP on 2 ranks
     dpc.exercises.check_answer("4.1", 3, {...})        # the chapters' self-check questions
-    records = dpc.exercises.run_b(2, 128, 16)          # DDP vs FSDP on real ranks
-    dpc.exercises.check_b(records, table, answers)     # the learner's figures, re-derived
-    dpc.exercises.check_c(dpc.exercises.run_c(), answers)   # sharding strategies, auto-wrap
+    dpc.exercises.check_b(wrap_ddp, wrap_fsdp, predicted, faster)   # set-ups and predictions
+    dpc.exercises.check_c(configs, predicted)          # four FSDP configurations, three orderings
 """
 from __future__ import annotations
 
@@ -23,7 +22,7 @@ from .selfcheck import check_answer
 
 SOLUTIONS = {"A": "train_ddp", "F": "train_fsdp"}  # scripts of dpc.scripts
 # files in solutions/
-SOLUTION_FILES = {"B": "table_b.py", "C": "answers_c.py", "D": "ring_d.py", "E": "bucketed_e.py"}
+SOLUTION_FILES = {"B": "setups_b.py", "C": "configs_c.py", "D": "ring_d.py", "E": "bucketed_e.py"}
 
 
 def solution(exercise: str) -> str:
@@ -49,9 +48,8 @@ def __getattr__(name):
 
         module = importlib.import_module(f"{__name__}.exercise_e")
         return module.check_e if name == "check_e" else module
-    # exercises B and C import the training runner and the memory probe: loaded on first use too
-    lazy = {"check_b": "exercise_b", "run_b": "exercise_b", "exercise_b": "exercise_b",
-            "check_c": "exercise_c", "run_c": "exercise_c", "exercise_c": "exercise_c"}
+    # exercises B and C import the observers and the ledger: loaded on first use too
+    lazy = {"check_b": "exercise_b", "exercise_b": "exercise_b", "check_c": "exercise_c", "exercise_c": "exercise_c"}
     if name in lazy:
         import importlib
 
@@ -60,5 +58,5 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["Item", "Report", "check_a", "check_b", "check_c", "check_d", "check_e", "check_answer", "check_f", "run_b",
-           "run_c", "solution"]
+__all__ = ["Item", "Report", "check_a", "check_b", "check_c", "check_d", "check_e", "check_answer", "check_f",
+           "solution"]

@@ -1,233 +1,170 @@
-"""Exercise B: DDP next to FSDP FULL_SHARD on 2-4 ranks; the learner reads the figures off.
+"""Exercise B: the learner writes a DDP and an FSDP ``FULL_SHARD`` set-up and predicts, before
+running, what each rank holds and sends; the checker runs both and judges.
 
-    records = dpc.exercises.run_b(world_size=2, d_hidden=128, batch_size=16)
-    dpc.exercises.exercise_b.plot(records)                   # memory, throughput, CPU time
-    dpc.exercises.check_b(records, table, answers)           # is each figure consistent?
+    report = dpc.exercises.check_b(wrap_ddp, wrap_fsdp, predicted, faster)
 
-``run_b`` trains the course's MLP with ``dpc.train.train`` under both strategies on real
-ranks, with the step timer, byte meter and memory probe attached. The learner copies into
-``table`` each strategy's peak memory (MB = 10^6 bytes), throughput (samples/s) and CPU
-time per step (ms), all for rank 0, and answers two questions. ``check_b`` re-derives every
-figure from the records (it never re-measures) and names each one that does not match.
+Both set-ups train the course's MLP (``SIZES``) for a few Adam steps on 2 ranks, under the
+course's observers: ``Memory`` (what each rank holds right after the last
+``optimizer.step()``), ``Comm`` (the bytes each collective makes a rank send, as a
+bandwidth-optimal ring sends them) and ``Timeline`` (step time, and communication nobody
+hid). Judged: each set-up trains like one process and is what it says (DDP replicates and
+all-reduces; FULL_SHARD holds 1/N and gathers every unit again for backward); each of the
+eight predictions holds within ``TOLERANCE``, said as too high / too low and roughly by how
+much, never as the measured value; and which set-up is faster here. The explanation of the
+speed, from the measured split of a step, comes with the report once ``faster`` is given.
 """
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, field
 
-from ..memory.probe import MemoryProbe
-from ..train import CommMeter, StepTimer, TrainConfig, train
-from .ranks import clusters_for
+from .. import models
+from ..observe import Comm, Memory, Timeline
+from . import setups
+from .ranks import RankFailure, blanks_in, clusters_for, run_or_failure
 from .report import Report
 
-RUNS = {"ddp": dict(strategy="ddp"),
-              "fsdp": dict(strategy="fsdp", sharding_strategy="FULL_SHARD")}
-LABELS = {"ddp": "DDP", "fsdp": "FSDP FULL_SHARD"}
-FIGURES = {"peak_mb": "peak memory (MB)", "samples_per_s": "throughput (samples/s)",
-           "cpu_ms_per_step": "CPU time per step (ms)"}
-TOLERANCE = {"peak_mb": 0.05, "samples_per_s": 0.20, "cpu_ms_per_step": 0.20}  # relative
-STEPS, DEPTH = 6, 4  # steps per run (the last is measured for memory and bytes, not timed)
-QUESTIONS = {
-    "why_less_memory": ("Why does FSDP FULL_SHARD hold less memory per rank than DDP?", {
-        "a": "It compresses the gradients before communicating them.",
-        "b": "Between steps each rank keeps only 1/N of the parameters, gradients and optimizer "
-             "state; a unit's full parameters exist only while that unit computes.",
-        "c": "It recomputes activations in backward instead of storing them.",
-        "d": "Only rank 0 keeps the optimizer state."}, "b"),
-    "why_slower_here": ("Why is FSDP slower than DDP on this machine?", {
-        "a": "FSDP does more floating-point operations per sample than DDP.",
-        "b": "The sharded optimizer step costs more than the full one.",
-        "c": "The layers are tiny and the CPU ranks talk over Gloo: each unit's all-gather and "
-             "reduce-scatter is a separate small collective with a fixed latency, plus per-unit "
-             "hook overhead and more bytes than DDP, and there is little compute to hide it behind.",
-        "d": "FSDP trains a larger model than DDP."}, "c"),
-}
+WORLD_SIZE = 2
+SIZES = {"d_hidden": 128, "depth": 4}
+TOLERANCE = 0.05
+CATEGORIES = ("parameters", "gradients", "optimizer_state")
+NAMES = {"ddp": "DDP", "fsdp": "FULL_SHARD"}
 
 
-@dataclass
-class Runs:
-    """Real training runs on one cluster: ``metrics[name]`` is the list of per-rank metrics
-    ``dpc.train.train`` returned (rank order) for ``configs[name]`` (TrainConfig options)."""
+def check_b(wrap_ddp, wrap_fsdp, predicted: dict, faster=..., cluster=None, timeout: float = 120.0) -> Report:
+    """Run the learner's two set-ups on 2 ranks and judge them and the predictions.
 
-    world_size: int
-    model_sizes: dict
-    batch_size: int
-    steps: int
-    configs: dict = field(default_factory=dict)
-    metrics: dict = field(default_factory=dict)
-
-    def __getitem__(self, name: str) -> list:
-        return self.metrics[name]
-
-    def __repr__(self) -> str:
-        return (f"Runs({', '.join(self.metrics)} on {self.world_size} ranks, MLP {self.model_sizes}, "
-                f"batch_size={self.batch_size} per rank, {self.steps} steps)")
-
-
-def run_configs(configs: dict, world_size: int, model_sizes: dict, batch_size: int, steps: int,
-                cluster=None, timeout: float = 300.0) -> Runs:
-    """Train every ``configs`` entry with ``dpc.train.train`` on ``world_size`` ranks, measured.
-
-    cluster: a ``dpc.Cluster`` of that size to use; otherwise one is started and shut down.
-    timeout: seconds per run.
-    """
-    if not 2 <= world_size <= 8:
-        raise ValueError(f"world_size must be between 2 and 8 ranks, not {world_size}")
-    if cluster is not None and cluster.world_size != world_size:
-        raise ValueError(f"the cluster has {cluster.world_size} ranks, not world_size={world_size}")
-    runs = Runs(world_size, dict(model_sizes), batch_size, steps)
-    num_samples = max(512, 2 * batch_size * world_size * steps)  # every step sees fresh samples
-    with clusters_for(cluster, [world_size]) as clusters:
-        for name, options in configs.items():
-            cfg = TrainConfig(steps=steps, batch_size=batch_size, num_samples=num_samples,
-                              progress=False, model_sizes=dict(model_sizes), **options)
-            hooks = [StepTimer(), CommMeter(), MemoryProbe()]
-            runs.configs[name] = dict(options)
-            runs.metrics[name] = clusters[world_size].run(train, cfg, hooks, timeout=timeout)
-    return runs
-
-
-def run_b(world_size: int = 2, d_hidden: int = 128, batch_size: int = 16, cluster=None,
-          steps: int = STEPS) -> Runs:
-    """DDP and FSDP FULL_SHARD on ``world_size`` (2-4) ranks: the MLP of width ``d_hidden``,
-    ``batch_size`` samples per rank per step. Takes a few seconds per run."""
-    if not 2 <= world_size <= 4:
-        raise ValueError(f"Exercise B runs on 2 to 4 ranks, not world_size={world_size}")
-    return run_configs(RUNS, world_size, {"d_hidden": d_hidden, "depth": DEPTH},
-                       batch_size, steps, cluster)
-
-
-def figures(records: Runs) -> dict:
-    """{strategy: {figure: value}} re-derived from rank 0's records: peak MB (10^6 bytes),
-    samples/s, median CPU ms per step; plus the ledger's peak in MB as ``ledger_peak_mb``."""
-    out = {}
-    for name in RUNS:
-        rank0 = records[name][0]
-        memory = rank0["memory"] or {}
-        compare = memory.get("compare") or {}
-        out[name] = {"peak_mb": memory.get("peak_bytes", 0) / 1e6,
-                     "samples_per_s": rank0["samples_per_s"],
-                     "cpu_ms_per_step": 1e3 * statistics.median(rank0["step_cpu_s"]),
-                     "ledger_peak_mb": compare["peak"][0] / 1e6 if "peak" in compare else None}
-    return out
-
-
-def _close(value, want: float, tol: float) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and \
-        abs(value - want) <= tol * abs(want)
-
-
-def _judge_figure(report: Report, table: dict, derived: dict, name: str, key: str) -> None:
-    title = f"{LABELS[name]}: {FIGURES[key]}"
-    row = table.get(name) if isinstance(table, dict) else None
-    value = row.get(key, ...) if isinstance(row, dict) else ...
-    want, tol = derived[name][key], TOLERANCE[key]
-    if value is ...:
-        report.add(title, None, "fill in the `...`")
-        return
-    if _close(value, want, tol):
-        extra = f"; the ledger predicts {derived[name]['ledger_peak_mb']:.3f} MB" \
-            if key == "peak_mb" and derived[name]["ledger_peak_mb"] else ""
-        report.add(title, True, f"{value:g} (records: {want:.4g}{extra})")
-        return
-    detail = f"you wrote {value!r}; rank 0's records give {want:.4g} (within {tol:.0%})"
-    other = next(n for n in RUNS if n != name)
-    if _close(value, derived[other][key], tol):
-        detail += f" -- that is {LABELS[other]}'s figure: are the two swapped?"
-    elif isinstance(value, (int, float)) and value and want:
-        detail += f" -- off by a factor {value / want:.2g}"
-    report.add(title, False, detail)
-
-
-def judge_letters(report: Report, questions: dict, answers: dict) -> None:
-    """One item per question: the learner's letter against the right one."""
-    for key, (question, options, right) in questions.items():
-        given = answers.get(key, ...) if isinstance(answers, dict) else ...
-        if given is ...:
-            report.add(question, None, "fill in the `...` with a letter")
-            continue
-        letter = str(given).strip().lower()
-        if letter not in options:
-            report.add(question, False, f"{given!r} is not one of {', '.join(options)}")
-        elif letter == right:
-            report.add(question, True, f"({letter}) {options[letter]}")
-        else:
-            report.add(question, False, f"({letter}) is not it: {options[letter]}")
-
-
-def _untouched(table, answers) -> bool:
-    """True when every value of the starter's table and answers is still ``...``."""
-    rows = table.values() if isinstance(table, dict) else [{"": table}]
-    values = [v for row in rows for v in (row.values() if isinstance(row, dict) else [row])]
-    return all(v is ... for v in values + list(answers.values() if isinstance(answers, dict) else [answers]))
-
-
-def check_b(records: Runs, table: dict, answers: dict) -> Report:
-    """Say which of the learner's figures and answers are consistent with ``records``.
-
-    table: {"ddp"|"fsdp": {"peak_mb", "samples_per_s", "cpu_ms_per_step"}}, rank 0's figures;
-    answers: {"why_less_memory": letter, "why_slower_here": letter}. Memory within 5 %,
-    speed within 20 % (timings vary from run to run; the records are the reference).
+    predicted: {"ddp": {...}, "fsdp": {...}}, each with "parameters", "gradients",
+    "optimizer_state" (bytes one rank holds right after optimizer.step()) and
+    "sent_per_step" (bytes one rank sends per training step). faster: "ddp" or "fsdp".
     """
     report = Report("Exercise B")
-    if _untouched(table, answers):
+    blanks = [fn.__name__ for fn in (wrap_ddp, wrap_fsdp) if blanks_in(fn)]
+    if blanks:
         report.attempted = False
-        report.note = "Fill in the `...` of the table and the answers, then run this cell again."
+        report.note = f"Write the wrapping lines in {' and '.join(blanks)} (replace the `...`), then run this cell again."
         return report
-    derived = figures(records)
-    for key in FIGURES:
-        for name in RUNS:
-            _judge_figure(report, table, derived, name, key)
-    judge_letters(report, QUESTIONS, answers)
+    reference = setups.one_process(SIZES, WORLD_SIZE)
+    measured = {}
+    with clusters_for(cluster, [WORLD_SIZE]) as clusters:
+        for key, wrap in (("ddp", wrap_ddp), ("fsdp", wrap_fsdp)):
+            memory, comm, timeline = Memory(), Comm(), Timeline()
+            out = run_or_failure(clusters[WORLD_SIZE], setups.train_wrapped, wrap, SIZES, timeout=timeout,
+                                 observe=[memory, comm, timeline])
+            measured[key] = None if isinstance(out, RankFailure) else (out, memory, comm, timeline)
+            name = f"your {NAMES[key]} set-up trains like one process"
+            if isinstance(out, RankFailure):
+                report.add(name, False, out.describe(timeout))
+            else:
+                report.add(name, *setups.weights_verdict(out, reference))
+    model = models.build_model("mlp", **SIZES)
+    report.add("your DDP set-up replicates: every rank holds all parameters and all-reduces the gradients",
+               *_judge_ddp(measured["ddp"], model))
+    report.add("your FSDP set-up is FULL_SHARD: 1/2 of the parameters per rank, every unit gathered again "
+               "for backward", *_judge_full_shard(measured["fsdp"], model))
+    for key in ("ddp", "fsdp"):
+        guesses = predicted.get(key, {}) if isinstance(predicted, dict) else {}
+        for what in CATEGORIES + ("sent_per_step",):
+            name = f"prediction: {NAMES[key]} {what.replace('_', ' ')}" + ("" if what == "sent_per_step" else " per rank")
+            if measured[key] is None:
+                report.add(name, None, "judged once the set-up runs")
+                continue
+            _, memory, comm, _ = measured[key]
+            value = sum(comm.bytes(rank=0, step=-1).values()) if what == "sent_per_step" else memory.at_rest(0)[what]
+            ok, detail = setups.miss(guesses.get(what, ...), value, TOLERANCE)
+            report.add(name, ok, detail + (_why(key, what, guesses.get(what), value) if ok is False else ""))
+    report.add("prediction: the faster set-up on these ranks", *_judge_faster(faster, measured))
+    if faster is not ... and all(measured.values()):
+        report.note = _explain(measured)
     return report
 
 
-def plot(records: Runs):
-    """Bars per strategy: peak memory per rank (with the ledger's prediction), throughput and
-    CPU time per step, from ``records`` (draws only; starts nothing). Returns the Figure."""
-    import matplotlib.pyplot as plt
-
-    derived = figures(records)
-    names = list(RUNS)
-    fig, axes = plt.subplots(1, 3, figsize=(11, 3.2))
-    for ax, key in zip(axes, FIGURES):
-        ax.bar([LABELS[n] for n in names], [derived[n][key] for n in names], color=["#4c72b0", "#dd8452"])
-        ax.set_title(FIGURES[key], fontsize=10)
-    ledger = [derived[n]["ledger_peak_mb"] for n in names]
-    if all(v is not None for v in ledger):
-        axes[0].scatter(range(len(names)), ledger, marker="_", s=900, color="black", label="ledger")
-        axes[0].legend(fontsize=8)
-    fig.suptitle(f"{records.world_size} ranks, MLP d_hidden={records.model_sizes['d_hidden']}, "
-                 f"batch {records.batch_size} per rank (rank 0)", fontsize=10)
-    fig.tight_layout()
-    plt.close(fig)
-    return fig
+def _judge_ddp(run, model) -> tuple[bool | None, str]:
+    if run is None:
+        return None, "judged once it runs"
+    _, memory, comm, _ = run
+    full = 4 * sum(p.numel() for p in model.parameters())
+    held = [memory.at_rest(r)["parameters"] for r in range(WORLD_SIZE)]
+    calls = comm.calls(rank=0, step=-1)
+    if any(h < full for h in held):
+        return False, "a rank holds only part of the parameters: that is sharding, not DDP"
+    if "all_reduce" not in calls or "all_gather" in calls:
+        return False, (f"a step's collectives were {dict(calls)}: DDP all-reduces the gradients "
+                       "(torch.nn.parallel.DistributedDataParallel)")
+    return True, "a full replica on every rank; the gradients all-reduced"
 
 
-class Choice:
-    """Sliders for world size, ``d_hidden`` and ``batch_size``, starting at the given values;
-    ``chosen()`` gives what they show now as ``run_b``'s keyword arguments."""
+def _judge_full_shard(run, model) -> tuple[bool | None, str]:
+    if run is None:
+        return None, "judged once it runs"
+    _, memory, comm, _ = run
+    full = 4 * sum(p.numel() for p in model.parameters())
+    held = [memory.at_rest(r)["parameters"] / full for r in range(WORLD_SIZE)]
+    calls = comm.calls(rank=0, step=-1)
+    if any(abs(h - 1 / WORLD_SIZE) > 0.05 for h in held):
+        return False, (f"the ranks hold {', '.join(f'{h:.0%}' for h in held)} of the parameters between steps: "
+                       "FULL_SHARD shards them over all ranks")
+    gathers, scatters = calls.get("all_gather", 0), calls.get("reduce_scatter", 0)
+    if not scatters:
+        return False, f"a step's collectives were {dict(calls)}: FSDP reduce-scatters the gradients"
+    if gathers <= scatters:
+        return False, (f"{gathers} all-gather(s) for {scatters} unit(s) per step: every unit was gathered "
+                       "only once, so the parameters stayed gathered from forward to backward -- that is "
+                       "SHARD_GRAD_OP (reshard_after_forward=False), or a single unit for the whole model, "
+                       "which FSDP keeps gathered: make each block a unit of its own")
+    return True, "sharded over both ranks; every unit gathered again for backward"
 
-    def __init__(self, world_size: int = 2, d_hidden: int = 128, batch_size: int = 16):
-        import ipywidgets as w
 
-        self.sliders = {
-            "world_size": w.IntSlider(world_size, min=2, max=4, description="world_size"),
-            "d_hidden": w.IntSlider(d_hidden, min=32, max=512, step=32, description="d_hidden"),
-            "batch_size": w.IntSlider(batch_size, min=4, max=64, step=4, description="batch_size")}
-        self.box = w.VBox(list(self.sliders.values()))
+def _why(key: str, what: str, guess, value: float) -> str:
+    """A hint for a prediction off by a telling factor (from the factor alone, not the value)."""
+    if not isinstance(guess, (int, float)) or isinstance(guess, bool) or not guess or not value:
+        return ""
+    ratio = guess / value
+    near = lambda x: abs(ratio - x) < 0.1 * x  # noqa: E731
+    if what == "optimizer_state" and any(near(x) for x in (0.5, 2, 0.25, 4)):
+        keeps = "a full replica" if key == "ddp" else "1/N of it"
+        return (f" -- {NAMES[key]} keeps {keeps} per rank; and how many tensors the size of the parameters "
+                "does Adam keep per parameter?")
+    if key == "fsdp" and what in CATEGORIES and near(WORLD_SIZE):
+        return " -- FULL_SHARD keeps 1/N of it per rank, between steps too"
+    if key == "ddp" and what in CATEGORIES and near(1 / WORLD_SIZE):
+        return " -- DDP keeps a full replica on every rank"
+    if what == "sent_per_step" and (near(WORLD_SIZE / (WORLD_SIZE - 1)) or near(2 * WORLD_SIZE / (WORLD_SIZE - 1))):
+        return " -- in a ring, a rank sends (N-1)/N of the data per phase, not all of it"
+    if what == "sent_per_step" and key == "fsdp" and (near(2 / 3) or near(1.5)):
+        return " -- count FULL_SHARD's collectives: how often is each unit gathered in a step?"
+    if what in CATEGORIES and (near(0.5) or near(2)):
+        return " -- bytes, for float32 elements"
+    return ""
 
-    def chosen(self) -> dict:
-        return {name: s.value for name, s in self.sliders.items()}
 
-    def _repr_mimebundle_(self, **kwargs):
-        return self.box._repr_mimebundle_(**kwargs)
+def _step_seconds(timeline: Timeline) -> float:
+    return statistics.median(timeline.step_seconds(rank=0)[1:] or timeline.step_seconds(rank=0))
 
 
-def print_questions(questions: dict = QUESTIONS) -> None:
-    """Print each question under the key its answer goes in, with its lettered options."""
-    for key, (question, options, _) in questions.items():
-        print(f"{key}: {question}")
-        for letter, text in options.items():
-            print(f"   ({letter}) {text}")
-        print()
+def _judge_faster(faster, measured) -> tuple[bool | None, str]:
+    if faster is ... or faster is None:
+        return None, "no prediction yet"
+    if faster not in ("ddp", "fsdp"):
+        return False, f"answer 'ddp' or 'fsdp', not {faster!r}"
+    if not all(measured.values()):
+        return None, "judged once both set-ups run"
+    seconds = {k: _step_seconds(run[3]) for k, run in measured.items()}
+    won = min(seconds, key=seconds.get)
+    if faster == won:
+        return True, "as measured; the note below says why"
+    return False, f"on these ranks {NAMES[won]}'s steps took less time; the note below says why"
+
+
+def _explain(measured) -> str:
+    """Why one set-up is faster here, from the measured split of a step."""
+    parts = []
+    for key, (_, _, comm, timeline) in measured.items():
+        summary = timeline.summary(rank=0)
+        calls = sum(comm.calls(rank=0, step=-1).values())
+        parts.append(f"{NAMES[key]}: {_step_seconds(timeline) * 1e3:.1f} ms per step, {calls} collective(s), "
+                     f"{summary['exposed_s'] * 1e3:.1f} ms of communication no compute hid")
+    return ("Measured on rank 0 (median step): " + "; ".join(parts) + ". On these CPU processes every "
+            "collective pays Gloo a fixed cost whatever its size, and there is little compute to hide it "
+            "behind, so FULL_SHARD's many small gathers and reduce-scatters cost more than DDP's one or two "
+            "all-reduces, although it sends only about 50 % more bytes. On GPUs with large layers, FSDP prefetches "
+            "the next unit's gather while the current one computes, and most of it hides.")

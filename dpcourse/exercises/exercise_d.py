@@ -7,9 +7,10 @@ The learner's two functions (same contract as ``dpc.collectives.ring_reduce_scat
 ``ring_all_gather``: in place on a contiguous tensor, chunk r as ``tensor_split`` cuts it)
 run on real ranks for N = 2, 3, 4, 5 on awkward sizes (empty, fewer elements than ranks,
 not divisible by N). Inputs are integers stored as float32, so sums are exact and results
-are compared bit for bit with ``dist.all_reduce``. ``SendObserver`` sees every tensor the
-ranks pass to ``dist.send``/``dist.isend``: bytes per rank, destination, and which chunk
-it was -- enough to replay the learner's own sends in the course's ring drawing.
+are compared bit for bit with ``dist.all_reduce``. ``SendRecorder`` sees every message the
+ranks send, below ``dist.isend`` (``send``, ``isend``, ``batch_isend_irecv`` all pass): bytes
+per rank, destination, and which chunk it was -- enough to replay the learner's own sends in
+the course's ring drawing.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from ..collectives.schedule import chunk_bounds, ring_all_gather_steps, ring_reduce_scatter_steps
 from ..collectives.trace import Trace, Transfer
 from ..collectives.traced import rank_input
+from ..pool.tracker import TRACKER
 from .report import Report
 from .ranks import RankFailure, blanks_in, clusters_for, run_or_failure
 
@@ -55,38 +57,34 @@ class Sent:
     values: torch.Tensor
 
 
-class SendObserver:
-    """Inside ``with SendObserver(tensor) as seen:`` every tensor passed to ``dist.send`` or
-    ``dist.isend`` lands in ``seen.sent``; set ``seen.phase`` between calls to label them.
+class SendRecorder:
+    """Inside ``with SendRecorder(tensor) as seen:`` every message a rank sends lands in
+    ``seen.sent``; set ``seen.phase`` between calls to label them.
 
-    It wraps the two functions on the ``torch.distributed`` module for the duration (what a
-    learner's ``dist.isend(...)`` looks up at call time) and calls the real ones. A
-    ``TorchDispatchMode`` would see every ``c10d::send`` however it was called, but entering
-    one the first time imports ``torch._dynamo`` (~5 s per fresh rank process here).
+    It listens to the process's collective tracker (``dpcourse.pool.tracker``, the one the
+    course's observers use), which sees ``send``/``isend`` -- however they are reached:
+    directly, through ``dist.batch_isend_irecv``'s ``P2POp``s, or ``send`` calling ``isend`` --
+    and hands the real functions on. So any correct use of them passes.
     """
 
     def __init__(self, tensor: torch.Tensor):
-        self.flat, self.phase, self.sent, self._saved = tensor.view(-1), "", [], {}
+        self.flat, self.phase, self.sent = tensor.view(-1), "", []
         self.bounds = chunk_bounds(self.flat.numel(), dist.get_world_size())
 
     def __enter__(self):
-        for name in ("send", "isend"):
-            self._saved[name] = real = getattr(dist, name)
-            setattr(dist, name, self._observed(real))
+        self._listening = TRACKER.listen(self._issued)
+        self._listening.__enter__()
         return self
 
     def __exit__(self, *exc):
-        for name, real in self._saved.items():
-            setattr(dist, name, real)
+        self._listening.__exit__(*exc)
 
-    def _observed(self, real):
-        def call(tensor, dst=None, group=None, tag=0, group_dst=None):
-            to = dst if dst is not None else \
-                group_dst if group is None else dist.get_global_rank(group, group_dst)
-            self.sent.append(Sent(self.phase, int(to), self._chunk(tensor), tensor.numel(),
-                                  tensor.numel() * tensor.element_size(), tensor.detach().clone()))
-            return real(tensor, dst=dst, group=group, tag=tag, group_dst=group_dst)
-        return call
+    def _issued(self, issued) -> None:
+        if issued.collective != "send":
+            return
+        tensor, to, _group = issued.args
+        self.sent.append(Sent(self.phase, int(to), self._chunk(tensor), tensor.numel(),
+                              tensor.numel() * tensor.element_size(), tensor.detach().clone()))
 
     def _chunk(self, t: torch.Tensor) -> int | None:
         """Index of the chunk of the observed tensor that ``t`` is a view of, else None."""
@@ -108,7 +106,7 @@ def _on_rank(phase: str, reduce_scatter, all_gather, numel: int, seed: int):
         lo, hi = chunk_bounds(numel, n)[rank]
         t = torch.full_like(x, -1.0)
         t[lo:hi] = expected[lo:hi]
-    with SendObserver(t) as seen:
+    with SendRecorder(t) as seen:
         if phase != "all-gather":
             seen.phase = "reduce-scatter"
             reduce_scatter(t)

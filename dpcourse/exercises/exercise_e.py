@@ -1,41 +1,40 @@
-"""Exercise E: the bucket logic of a bucketed DDP; the checker trains it next to torch DDP.
+"""Exercise E: the two methods of a bucketed DDP; the checker trains it next to torch DDP.
 
     report = dpc.exercises.check_e(MyBucketedDDP)
     report.figure                                # your timeline above torch DDP's
 
-The learner's class (a subclass of ``dpc.scratch.BucketedDDP`` overriding ``grad_ready`` and
-``finish_gradient_synchronization``) and torch DDP train the same MLP from the same weights
-on the same data for ``STEPS`` SGD steps on 2 ranks, with the same buckets
-(``bucket_cap_mb=BUCKET_CAP_MB``: 3 buckets). The checker compares the gradients after every
-backward, sees every ``dist.all_reduce`` the learner's class starts (the function is wrapped
-on the ranks for the run, as ``scratch.observe.FSDP1Observer`` does), and records both
-timelines with the course's observers: per-layer backward from tensor hooks, collectives from
-launch to completion.
+The learner's class -- the notebook's scaffold (it broadcasts rank 0's weights, packs the
+buckets, registers the gradient hooks) with ``grad_ready`` and
+``finish_gradient_synchronization`` written by the learner; nothing of either is inherited
+-- and torch DDP train the same MLP from the same weights on the same data for ``STEPS``
+SGD steps on 2 ranks, with ``bucket_cap_mb=BUCKET_CAP_MB``. The course's observers watch
+from outside: ``Comm`` sees every all-reduce with its bytes, ``Timeline`` every layer's
+backward and every all-reduce from launch to completion. Judged: the gradients after every
+backward equal torch DDP's; each bucket travels as one all-reduce per backward; and some
+bucket's all-reduce is still in flight while a later layer's backward computes (completion
+times, not launch times: an all-reduce waited for inside the hook never is).
 """
 from __future__ import annotations
 
-import contextlib
-import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from .. import models
-from ..scratch.bucketed import assign_buckets
-from ..scratch.observe import BackwardObserver, observe_ddp_communication
-from ..scratch.timeline import COMM, COMPUTE, Timeline, from_lists
+from ..observe import Comm, Timeline
 from .ranks import RankFailure, blanks_in, clusters_for, run_or_failure
 from .report import Report
 
-MODEL, SIZES = "mlp", {"d_hidden": 30, "depth": 3}
-BUCKET_CAP_MB = 0.002  # MiB: 3 buckets for this MLP (the head and last block, then one per block)
-STEPS, BATCH, LR = 3, 8, 0.1  # SGD steps, samples per rank per step, learning rate
-RTOL, ATOL = 1e-5, 1e-6       # on gradients; at 2 ranks (g0 + g1) / 2 is exact, so it is 0 there
+MODEL, SIZES = "mlp", {"d_hidden": 512, "depth": 4}
+BUCKET_CAP_MB = 1.0      # MiB: 7 buckets of this MLP's gradients (each 512 x 512 weight fills one)
+STEPS, BATCH, LR = 3, 64, 0.05  # SGD steps, samples per rank per step, learning rate
+RTOL, ATOL = 1e-5, 1e-6  # on gradients; at 2 ranks (g0 + g1) / 2 is exact
+OVERLAP_S = 2e-4         # in flight under a later layer's backward for at least this long
 ITEMS = {"runs": f"trains {STEPS} steps on the ranks",
          "grads": "gradients equal torch DDP's after every backward (same model, data, buckets)",
-         "buckets": "each bucket is all-reduced exactly once per backward",
-         "overlap": "all-reduces start while backward is still computing (overlap)"}
+         "buckets": "each bucket's gradients travel as one all-reduce per backward",
+         "overlap": "a bucket's all-reduce is in flight while a later layer's backward computes"}
 
 
 @dataclass(repr=False)
@@ -45,111 +44,79 @@ class DDPReport(Report):
     figure: object = None
 
 
-class AllReduceRecorder:
-    """Inside ``with AllReduceRecorder(buffers, timeline) as rec:``, every ``dist.all_reduce``
-    is recorded: (step, bucket index or None, bytes, blocking) in ``rec.launches``, and its
-    span from launch to completion in ``timeline``. ``buffers``: the buckets' flat buffers, by index."""
-
-    def __init__(self, buffers, timeline: Timeline):
-        self.where = {b.data_ptr(): i for i, b in enumerate(buffers)}
-        self.timeline, self.launches, self.step, self._real = timeline, [], 0, None
-
-    def __enter__(self):
-        self._real = real = dist.all_reduce
-
-        def all_reduce(tensor, *args, **kwargs):
-            start, nbytes = time.perf_counter(), tensor.numel() * tensor.element_size()
-            index = self.where.get(tensor.data_ptr())
-            name = f"bucket {index}" if index is not None else f"{nbytes} B"
-            work = real(tensor, *args, **kwargs)
-            self.launches.append((self.step, index, nbytes, work is None))
-            if work is None:  # blocking: it is already done
-                self.timeline.add(COMM, "all_reduce", name, start, nbytes=nbytes)
-                return work
-            return self.timeline.comm(work, "all_reduce", name, nbytes, start)
-
-        dist.all_reduce = all_reduce
-        return self
-
-    def __exit__(self, *exc):
-        dist.all_reduce = self._real
+def bucket_plan(model, bucket_cap_mb: float = BUCKET_CAP_MB) -> list[tuple[list[str], int]]:
+    """(parameter names, bytes) of each bucket, by the scaffold's rule: parameters in reverse
+    order of registration, a new bucket when the next gradient would take it past the cap."""
+    buckets, cap = [([], 0)], bucket_cap_mb * 2**20
+    for name, p in reversed([(n, p) for n, p in model.named_parameters() if p.requires_grad]):
+        nbytes = p.numel() * p.element_size()
+        if buckets[-1][0] and buckets[-1][1] + nbytes > cap:
+            buckets.append(([], 0))
+        names, size = buckets[-1]
+        buckets[-1] = (names + [name], size + nbytes)
+    return buckets
 
 
 def _train_on_rank(kind, steps: int = STEPS):
     """On this rank: ``steps`` SGD steps of the MLP wrapped by ``kind`` (the learner's class,
-    or "ddp"). Returns gradients after each backward, all-reduce launches, the last
-    step's timeline, and the buckets' parameter names."""
+    or "ddp"); the gradients after each backward."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = models.build_model(MODEL, seed=0, **SIZES)
-    timeline, recorder = Timeline(rank), None
+    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in dist.get_backend() else torch.device("cpu")
+    model = models.build_model(MODEL, seed=0, **SIZES).to(device)
     if kind == "ddp":
-        wrapped = DDP(model, bucket_cap_mb=BUCKET_CAP_MB)
-        observe_ddp_communication(wrapped, timeline)
-        buckets = None
+        wrapped = DDP(model, bucket_cap_mb=BUCKET_CAP_MB, device_ids=[device] if device.type == "cuda" else None)
     else:
         wrapped = kind(model, bucket_cap_mb=BUCKET_CAP_MB)
-        buckets = [list(b.names) for b in wrapped.buckets.buckets]
-        recorder = AllReduceRecorder([b.buffer for b in wrapped.buckets.buckets], timeline)
-    backward = BackwardObserver(model, timeline)
-    optimizer = torch.optim.SGD(wrapped.parameters(), lr=LR)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     x, y = models.make_dataset(MODEL, BATCH * world * steps, seed=1).tensors
     grads = []
-    with recorder if recorder is not None else contextlib.nullcontext():
-        for step in range(steps):
-            if recorder is not None:
-                recorder.step = step
-            timeline.clear()  # keep the last step only
-            dist.barrier()    # the ranks start the step together
-            lo = (step * world + rank) * BATCH
-            start = time.perf_counter()
-            out = wrapped(x[lo:lo + BATCH])
-            timeline.add(COMPUTE, "forward", "model", start)
-            models.loss_fn(MODEL, out, y[lo:lo + BATCH]).backward()
-            backward.backward_returned()
-            grads.append({n: p.grad.detach().clone() if p.grad is not None else None
-                          for n, p in model.named_parameters()})
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-    backward.remove()
-    return {"grads": grads, "launches": recorder.launches if recorder else None,
-            "timeline": timeline.to_list(), "buckets": buckets}
+    for step in range(steps):
+        lo = (step * world + rank) * BATCH
+        models.loss_fn(MODEL, wrapped(x[lo:lo + BATCH].to(device)), y[lo:lo + BATCH].to(device)).backward()
+        grads.append({n: p.grad.detach().cpu().clone() if p.grad is not None else None
+                      for n, p in model.named_parameters()})
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return grads
 
 
 def check_e(cls, cluster=None, timeout: float = 60.0) -> DDPReport:
     """Train ``cls`` and torch DDP side by side on the ranks; say item by item what is right.
 
-    cls: a subclass of ``dpc.scratch.BucketedDDP`` (built as ``cls(model, bucket_cap_mb=...)``).
+    cls: the notebook's ``MyBucketedDDP`` (built as ``cls(model, bucket_cap_mb=...)``).
     cluster: a ``dpc.Cluster`` of 2 or more ranks to use (None: one of 2 ranks is started for
     the check and shut down after it, ~5 s). timeout: seconds per training run.
     """
     report = DDPReport("Exercise E")
     if blanks_in(cls):
         report.attempted = False
-        report.note = (f"Fill in the `...` in {cls.__name__}.grad_ready (and write "
-                       "finish_gradient_synchronization), then run this cell again.")
+        report.note = (f"Fill in the `...` in {cls.__name__}.grad_ready and "
+                       "finish_gradient_synchronization, then run this cell again.")
         return report
     world = cluster.world_size if cluster is not None else 2
     with clusters_for(cluster, [world]) as clusters:
-        mine = run_or_failure(clusters[world], _train_on_rank, cls, timeout=timeout)
+        comm, timeline = Comm(), Timeline()
+        mine = run_or_failure(clusters[world], _train_on_rank, cls, timeout=timeout, observe=[comm, timeline])
         if isinstance(mine, RankFailure):
             report.add(ITEMS["runs"], False, mine.describe(timeout))
             for key in ("grads", "buckets", "overlap"):
                 report.add(ITEMS[key], None, "judged once it trains")
             return report
-        theirs = clusters[world].run(_train_on_rank, "ddp", timeout=timeout)
+        torch_timeline = Timeline()
+        theirs = clusters[world].run(_train_on_rank, "ddp", timeout=timeout, observe=[torch_timeline])
     report.add(ITEMS["runs"], True, f"{world} ranks, {STEPS} SGD steps of the course's MLP")
     report.add(ITEMS["grads"], *_judge_grads(mine, theirs, world))
-    report.add(ITEMS["buckets"], *_judge_buckets(mine[0]))
-    report.add(ITEMS["overlap"], *_judge_overlap(mine, theirs))
-    report.figure = draw_side_by_side(mine, theirs)
+    report.add(ITEMS["buckets"], *_judge_buckets(comm))
+    report.add(ITEMS["overlap"], *_judge_overlap(timeline, torch_timeline))
+    report.figure = draw_side_by_side(timeline, torch_timeline)
     return report
 
 
 def _judge_grads(mine, theirs, world: int) -> tuple[bool, str]:
     for rank, (a, b) in enumerate(zip(mine, theirs)):
-        for step, (ga, gb) in enumerate(zip(a["grads"], b["grads"])):
+        for step, (ga, gb) in enumerate(zip(a, b)):
             for name, want in gb.items():
                 got = ga[name]
                 if got is None:
@@ -158,68 +125,70 @@ def _judge_grads(mine, theirs, world: int) -> tuple[bool, str]:
                     diff = (got - want).abs().max().item()
                     return False, (f"rank {rank}, step {step}, {name!r}: largest difference {diff:.2g}"
                                    f"{_why(got, want, world)}")
-    return True, f"{STEPS} steps x {len(mine[0]['grads'][0])} parameters on {world} ranks"
+    return True, f"{STEPS} steps x {len(mine[0][0])} parameters on {world} ranks"
 
 
 def _why(got: torch.Tensor, want: torch.Tensor, world: int) -> str:
     """A hint from the ratio of the two gradients (least squares: <got, want> / <want, want>)."""
     ratio = (got * want).sum().item() / max((want * want).sum().item(), 1e-30)
     if abs(ratio - world) < 0.01 * world:
-        return (f"; yours are {ratio:.2f}x torch DDP's: summed, not averaged -- divide the "
-                f"bucket by the world size ({world})")
-    return " -- is every bucket all-reduced, and is each param.grad its slot after the wait?"
+        return (f"; yours are {ratio:.2f}x torch DDP's: summed, not averaged -- divide by the "
+                f"world size ({world})")
+    if abs(ratio - 1) > 0.01 and (got - want).abs().max() > 0.5 * want.abs().max():
+        return (" -- these look like this rank's own gradients: is every bucket all-reduced, and does "
+                "each param.grad hold its averaged values after the wait?")
+    return " -- does each param.grad hold its bucket's averaged values after the wait?"
 
 
-def _judge_buckets(result) -> tuple[bool, str]:
-    names, launches = result["buckets"], result["launches"]
+def _judge_buckets(comm: Comm) -> tuple[bool, str]:
+    plan = bucket_plan(models.build_model(MODEL, **SIZES))
+    want = sorted(nbytes for _, nbytes in plan)
     for step in range(STEPS):
-        counts = [sum(1 for s, b, *_ in launches if s == step and b == i) for i in range(len(names))]
-        for i, count in enumerate(counts):
-            if count != 1:
-                what = (f"was never all-reduced in step {step}: its gradients stayed local"
-                        if count == 0 else f"was all-reduced {count} times in step {step}")
-                return False, f"bucket {i} ({', '.join(names[i])}) {what} (rank 0)"
-    others = [nbytes for _, b, nbytes, _ in launches if b is None]
-    if others:
-        return False, (f"{len(others)} all-reduce(s) of tensors that are no bucket's buffer, "
-                       f"e.g. {others[0]} B: all-reduce bucket.buffer itself")
-    return True, f"{len(names)} buckets x {STEPS} steps"
+        sent = [r.nbytes for r in comm.records(rank=0, step=step) if r.collective == "all_reduce"]
+        if sorted(sent) == want:
+            continue
+        missing = [(names, nbytes) for names, nbytes in plan if nbytes not in sent]
+        if len(sent) > len(plan):
+            return False, (f"{len(sent)} all-reduces in step {step} for {len(plan)} buckets: put a "
+                           "bucket's gradients into one flat tensor and all-reduce that once")
+        if missing:
+            names, _ = missing[0]
+            return False, (f"the bucket of {names[0]} ... {names[-1]} was never all-reduced in step "
+                           f"{step}: its gradients stayed local (rank 0)")
+        return False, (f"step {step}'s all-reduces carried {sorted(sent)} bytes, not one bucket each: "
+                       "flatten each bucket's gradients, in the scaffold's order")
+    return True, f"{len(plan)} buckets x {STEPS} steps"
 
 
-def _during_backward(result) -> tuple[int, int]:
-    """(all-reduces launched before the last layer's backward began, all-reduces) on a rank."""
-    events = result["timeline"]
-    begun = max((e["start"] for e in events if e["kind"] == "backward"), default=None)
-    launches = [e["start"] for e in events if e["lane"] == COMM]
-    if begun is None:
-        return 0, len(launches)
-    return sum(1 for t in launches if t < begun), len(launches)
+def overlap_seconds(events) -> float:
+    """Per rank and step, the longest time one all-reduce was in flight after a later layer's
+    backward had begun (that layer's backward span, clipped to the all-reduce's)."""
+    best = 0.0
+    backward = [e for e in events if e.kind == "backward"]
+    for e in events:
+        if e.kind != "all_reduce":
+            continue
+        for b in backward:
+            if b.rank == e.rank and b.step == e.step and b.start >= e.start:
+                best = max(best, min(e.end, b.end) - b.start)
+    return best
 
 
-def _judge_overlap(mine, theirs) -> tuple[bool | None, str]:
-    early, total = _during_backward(mine[0])
-    torch_early, torch_total = _during_backward(theirs[0])
-    if total == 0:
-        return None, "no all-reduce was launched"
-    if any(blocking for *_, blocking in mine[0]["launches"]):
-        return False, ("your all-reduces block: backward stops at each one until every rank has "
-                       "sent its bucket -- pass async_op=True, keep the Work, wait at the end")
-    detail = (f"{early} of {total} all-reduces launched before the last layer's backward began "
-              f"(torch DDP: {torch_early} of {torch_total}; rank 0, last step)")
-    if early == 0:
-        detail += (" -- launch each bucket in grad_ready, as soon as its last gradient is in, "
-                   "not after backward")
-    return early > 0, detail
+def _judge_overlap(mine: Timeline, theirs: Timeline) -> tuple[bool | None, str]:
+    events = mine.events(step=None)
+    if not any(e.kind == "all_reduce" for e in events):
+        return None, "no all-reduce was seen"
+    seconds, torch_seconds = overlap_seconds(events), overlap_seconds(theirs.events(step=None))
+    detail = (f"longest all-reduce in flight under a later layer's backward: {seconds * 1e3:.2f} ms "
+              f"(torch DDP: {torch_seconds * 1e3:.2f} ms)")
+    if seconds < OVERLAP_S:
+        detail += (" -- every all-reduce was over before the next layer's backward began: launch "
+                   "each bucket in grad_ready with async_op=True and wait only in "
+                   "finish_gradient_synchronization, once backward is done")
+    return seconds >= OVERLAP_S, detail
 
 
-def expected_buckets() -> list[list[int]]:
-    """The bucket plan for the checker's model (parameter indices in reverse registration
-    order), computed from the packing rule alone (``assign_buckets``)."""
-    params = list(models.build_model(MODEL, **SIZES).parameters())[::-1]
-    return assign_buckets([p.numel() for p in params], [p.element_size() for p in params], BUCKET_CAP_MB)
-
-
-def draw_side_by_side(mine, theirs):
+def draw_side_by_side(mine: Timeline, theirs: Timeline):
     """A matplotlib Figure: the learner's last step (top) and torch DDP's (bottom), per rank."""
     from matplotlib.figure import Figure
 
@@ -227,6 +196,6 @@ def draw_side_by_side(mine, theirs):
 
     fig = Figure(figsize=(11, 7), layout="constrained")
     top, bottom = fig.subplots(2, 1)
-    draw_timeline(from_lists([r["timeline"] for r in mine]), ax=top, title="your bucketed DDP")
-    draw_timeline(from_lists([r["timeline"] for r in theirs]), ax=bottom, title="torch DDP, same buckets")
+    draw_timeline(mine.events(), ax=top, title="your bucketed DDP")
+    draw_timeline(theirs.events(), ax=bottom, title="torch DDP, same bucket cap")
     return fig
