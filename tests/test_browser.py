@@ -192,7 +192,8 @@ def test_notebook_runs_in_the_browser(lab, browser, name):
         if "cluster_status(" in nb.sources():
             _check_status(nb)
         for marker in MOVED.get(name, []):  # only the widgets the checks moved have a new picture
-            nb.screenshot(nb.cell(marker), ARTIFACTS / f"{stem}-moved-{re.sub(r'\W+', '', marker)}.png")
+            slug = re.sub(r"\W+", "", marker)
+            nb.screenshot(nb.cell(marker), ARTIFACTS / f"{stem}-moved-{slug}.png")
         for marker in FIGURES:
             if marker in nb.sources():
                 nb.screenshot(nb.cell(marker), ARTIFACTS / f"{stem}-{marker.strip('(')}.png")

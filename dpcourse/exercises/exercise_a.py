@@ -27,40 +27,54 @@ _reference_cache: dict[tuple, dict] = {}
 
 def check_a(path: str = "train_ddp.py", timeout: float = 180.0) -> Report:
     """Run the learner's DDP script on 2 ranks under torchrun and say, item by item, what is right."""
-    report = Report("Exercise A")
-    starter = scripts.path("train_single")
+    return check_script(Report("Exercise A"), path, "make it data-parallel", ARGS, timeout, _judge)
+
+
+def check_script(report: Report, path: str, unchanged: str, args: list, timeout: float, judge) -> Report:
+    """Run the learner's script on 2 ranks under torchrun and have ``judge(report, run,
+    timeout)`` fill the report; "not attempted" when it is missing or still the starter."""
     if not os.path.exists(path):
         report.attempted = False
         report.note = f"Write {path!r} (start from a copy of train_single.py), then run this cell again."
         return report
-    if _same_text(path, starter):
+    if _same_text(path, scripts.path("train_single")):
         report.attempted = False
-        report.note = f"{path!r} is still train_single.py, unchanged: make it data-parallel."
+        report.note = f"{path!r} is still train_single.py, unchanged: {unchanged}."
         return report
-    with tempfile.TemporaryDirectory(prefix="dpcourse-check-a-") as work:
-        run = torchrun(path, ARGS, work, WORLD_SIZE, timeout)
-        _judge(report, run, timeout)
+    with tempfile.TemporaryDirectory(prefix="dpcourse-check-") as work:
+        judge(report, torchrun(path, args, work, WORLD_SIZE, timeout), timeout)
     return report
 
 
 def _judge(report: Report, run, timeout: float) -> None:
-    if run.timed_out:
-        report.add("runs to completion on 2 ranks", False,
-                   f"did not finish within {timeout:g} s and was stopped (no process left behind): "
-                   "a rank may wait in a collective the other never calls, e.g. a barrier or "
-                   "all_reduce inside `if rank == 0:`")
     logs = [read_log(run.observed, r) for r in range(WORLD_SIZE)]
-    finished = run.returncode == 0 or aborted_after_finishing(run, logs)
-    if not run.timed_out:
-        report.add("runs to completion on 2 ranks", finished,
-                   "exit code 0" if run.returncode == 0 else
-                   "every rank returned from destroy_process_group; a rank was then aborted (SIGABRT) "
-                   "while Python exited, a known race in Gloo's teardown, not your script" if finished else
-                   f"torchrun exited with code {run.returncode}:\n{_error_excerpt(run.output, run.script)}")
+    finished = judge_completion(report, run, logs, timeout, "e.g. a barrier or all_reduce inside `if rank == 0:`")
     _judge_sampling(report, logs, finished=finished)
     _judge_logging_and_saving(report, run, logs, finished)
     weights = _judge_checkpoint(report, logs) if finished else None
     _judge_weights(report, weights)
+    judge_leaving(report, logs, finished)
+
+
+def judge_completion(report: Report, run, logs: list[dict], timeout: float, example: str) -> bool:
+    """The first item of a torchrun check; True when the script's work was done."""
+    finished = run.returncode == 0 or aborted_after_finishing(run, logs)
+    if run.timed_out:
+        detail = (f"did not finish within {timeout:g} s and was stopped (no process left behind): a rank "
+                  f"may wait in a collective the other never calls -- {example}")
+    elif run.returncode == 0:
+        detail = "exit code 0"
+    elif finished:
+        detail = ("every rank returned from destroy_process_group; a rank was then aborted (SIGABRT) "
+                  "while Python exited, a known race in Gloo's teardown, not your script")
+    else:
+        detail = f"torchrun exited with code {run.returncode}:\n{_error_excerpt(run.output, run.script)}"
+    report.add("runs to completion on 2 ranks", finished and not run.timed_out, detail)
+    return finished and not run.timed_out
+
+
+def judge_leaving(report: Report, logs: list[dict], finished: bool) -> None:
+    """The last item of a torchrun check: every rank left the process group."""
     report.add("destroys the process group on every rank",
                all(log["destroyed"] for log in logs) if finished else None,
                ", ".join(f"rank {r} never called dist.destroy_process_group()"
@@ -136,19 +150,33 @@ def _judge_logging_and_saving(report: Report, run, logs: list[dict], finished: b
 
 
 def _judge_checkpoint(report: Report, logs: list[dict]):
-    name = "the checkpoint loads into the plain model (no 'module.' prefix)"
+    def wrapped(state):
+        keys = [k for k in state if k.startswith("module.")]
+        return (f"its keys start with 'module.' (e.g. {keys[0]!r}): you saved the DDP wrapper -- save "
+                "model.module.state_dict()") if keys else None
+
+    return judge_checkpoint(report, logs, "the checkpoint loads into the plain model (no 'module.' prefix)",
+                            wrapped, "save model.module.state_dict() with torch.save")
+
+
+def judge_checkpoint(report: Report, logs: list[dict], name: str, wrong, fix: str):
+    """Rank 0's last checkpoint, if it is a state dict that loads into the plain MLP; else an
+    item saying why not (``wrong(state)``: a message for what the script's kind gets wrong)."""
     saves = logs[0]["saves"]
     if not saves or not os.path.exists(saves[-1]):
         report.add(name, None, "no checkpoint file from rank 0")
         return None
-    state = torch.load(saves[-1], map_location="cpu")
+    try:
+        state = torch.load(saves[-1], map_location="cpu")
+    except Exception as err:  # e.g. DTensors: they do not load without their process group
+        report.add(name, False, f"torch.load could not read it ({type(err).__name__}): {fix}")
+        return None
     if not isinstance(state, dict):
         report.add(name, False, f"the checkpoint holds a {type(state).__name__}, not a state dict")
         return None
-    wrapped = [k for k in state if k.startswith("module.")]
-    if wrapped:
-        report.add(name, False, f"its keys start with 'module.' (e.g. {wrapped[0]!r}): you saved the DDP "
-                   "wrapper -- save model.module.state_dict()")
+    problem = wrong(state)
+    if problem:
+        report.add(name, False, problem)
         return None
     try:
         models.MLP().load_state_dict(state)

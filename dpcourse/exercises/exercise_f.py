@@ -28,7 +28,6 @@ from .. import models, scripts
 from . import exercise_a as a
 from .observe import read_log
 from .report import Report
-from .torchrun import torchrun
 
 WORLD_SIZE = 2
 MAX_NORM = 0.5
@@ -47,35 +46,13 @@ _reference_cache: dict[tuple, dict] = {}
 
 def check_f(path: str = "train_fsdp.py", timeout: float = 240.0) -> Report:
     """Run the learner's FSDP2 script on 2 ranks under torchrun and say, item by item, what is right."""
-    report = Report("Exercise F")
-    if not os.path.exists(path):
-        report.attempted = False
-        report.note = f"Write {path!r} (start from a copy of train_single.py), then run this cell again."
-        return report
-    if a._same_text(path, scripts.path("train_single")):
-        report.attempted = False
-        report.note = f"{path!r} is still train_single.py, unchanged: shard it with fully_shard."
-        return report
-    with tempfile.TemporaryDirectory(prefix="dpcourse-check-f-") as work:
-        run = torchrun(path, ARGS, work, WORLD_SIZE, timeout)
-        _judge(report, run, timeout)
-    return report
+    return a.check_script(Report("Exercise F"), path, "shard it with fully_shard", ARGS, timeout, _judge)
 
 
 def _judge(report: Report, run, timeout: float) -> None:
     logs = [read_log(run.observed, r) for r in range(WORLD_SIZE)]
-    finished = run.returncode == 0 or a.aborted_after_finishing(run, logs)
-    if run.timed_out:
-        report.add("runs to completion on 2 ranks", False,
-                   f"did not finish within {timeout:g} s and was stopped (no process left behind): "
-                   "a rank may wait in a collective the other never calls -- gathering the full "
-                   "state dict is one: call it on every rank, save on rank 0")
-    else:
-        report.add("runs to completion on 2 ranks", finished,
-                   "exit code 0" if run.returncode == 0 else
-                   "every rank returned from destroy_process_group; a rank was then aborted (SIGABRT) "
-                   "while Python exited, a known race in Gloo's teardown, not your script" if finished else
-                   f"torchrun exited with code {run.returncode}:\n{a._error_excerpt(run.output, run.script)}")
+    finished = a.judge_completion(report, run, logs, timeout, "gathering the full state dict is one: call it "
+                                  "on every rank, save on rank 0")
     a._judge_sampling(report, logs, finished=finished)
     report.add(ITEMS["sharded"], *_judge_shards(logs))
     report.add(ITEMS["units"], *_judge_units(logs))
@@ -85,10 +62,7 @@ def _judge(report: Report, run, timeout: float) -> None:
     a._judge_logging_and_saving(report, run, logs, finished)
     weights = _judge_checkpoint(report, logs) if finished else None
     report.add(ITEMS["weights"], *_judge_weights(weights, dtype))
-    report.add("destroys the process group on every rank",
-               all(log["destroyed"] for log in logs) if finished else None,
-               ", ".join(f"rank {r} never called dist.destroy_process_group()"
-                         for r, log in enumerate(logs) if not log["destroyed"]))
+    a.judge_leaving(report, logs, finished)
 
 
 def _judge_shards(logs) -> tuple[bool | None, str]:
@@ -169,33 +143,15 @@ def _judge_clip(logs) -> tuple[bool | None, str]:
 
 
 def _judge_checkpoint(report: Report, logs: list[dict]):
-    name = "the checkpoint loads into the plain model (plain keys, full tensors)"
-    saves = logs[0]["saves"]
-    if not saves or not os.path.exists(saves[-1]):
-        report.add(name, None, "no checkpoint file from rank 0")
-        return None
-    try:
-        state = torch.load(saves[-1], map_location="cpu")
-    except Exception as err:  # e.g. DTensors: they do not load without a process group
-        report.add(name, False, f"torch.load could not read it ({type(err).__name__}): save full tensors -- "
-                   "get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)) on every rank")
-        return None
-    if not isinstance(state, dict):
-        report.add(name, False, f"the checkpoint holds a {type(state).__name__}, not a state dict")
-        return None
-    sharded = [k for k, v in state.items() if type(v).__name__ == "DTensor"]
-    if sharded:
-        report.add(name, False, f"its values are DTensors (e.g. {sharded[0]!r}), each rank's slice: gather "
-                   "a full state dict with get_model_state_dict(model, options=StateDictOptions("
-                   "full_state_dict=True)), called on every rank")
-        return None
-    try:
-        models.MLP().load_state_dict(state)
-    except RuntimeError as err:
-        report.add(name, False, str(err).splitlines()[0])
-        return None
-    report.add(name, True)
-    return state
+    full = "get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)), called on every rank"
+
+    def sharded(state):
+        keys = [k for k, v in state.items() if type(v).__name__ == "DTensor"]
+        return (f"its values are DTensors (e.g. {keys[0]!r}), each rank's slice: gather a full state dict "
+                f"with {full}") if keys else None
+
+    return a.judge_checkpoint(report, logs, "the checkpoint loads into the plain model (plain keys, full tensors)",
+                              sharded, f"save full tensors -- {full}")
 
 
 def _judge_weights(weights, dtype) -> tuple[bool | None, str]:

@@ -9,7 +9,6 @@ through DCP, and the loss averaged over ranks (the loss of the global batch).
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import sys
 

@@ -1,6 +1,5 @@
 """Exercise B, reference solution: the two set-ups, and predictions derived from the ledger's
 formulas before anything runs (P parameters, N = 2 ranks, float32, Adam)."""
-import torch
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
