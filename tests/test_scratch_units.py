@@ -8,7 +8,6 @@ import torch.distributed as dist
 import dpcourse as dpc
 from dpcourse.collectives.cost import ring_all_reduce_seconds
 from dpcourse.scratch import ThreadedDataParallel, assign_buckets
-from dpcourse.collectives.alpha_beta import fit_alpha_beta
 from dpcourse.scratch.threaded_dp import DP_DEVICE_BYTES
 from dpcourse.observe.events import (Event, exposed_seconds, from_lists, hidden_fraction, intersection, total,
                                      union)
@@ -79,16 +78,6 @@ def test_timeline_merges_ranks_relative_to_the_earliest_event():
     merged = from_lists([a, b])
     assert [(e.rank, e.start) for e in merged] == [(0, 0.0), (1, 0.5)]
     assert merged[1].nbytes == 8 and merged[1].end == 2.0
-
-
-@pytest.mark.parametrize("world_size", [2, 4, 8])
-def test_alpha_beta_fit_recovers_the_model(world_size):
-    alpha, beta = 50e-6, 1.2e9
-    times = {n: ring_all_reduce_seconds(n, world_size, alpha, beta) for n in (4096, 1 << 16, 1 << 20, 1 << 24)}
-    fit = fit_alpha_beta(times, world_size)
-    assert fit == pytest.approx((alpha, beta), rel=1e-6)
-    with pytest.raises(ValueError, match="did not take longer"):
-        fit_alpha_beta({4096: 2e-3, 1 << 20: 1e-3}, world_size)  # a noise-dominated pair
 
 
 def _train(module, data, steps=3, lr=0.1):

@@ -132,7 +132,8 @@ def _behaves(name: str, held: Memory, comm: Comm, model) -> tuple[bool, str]:
                        + (" -- a 2-D mesh (2 groups of 2): shard inside a group, replicate across"
                           if name == "HYBRID_SHARD" else ""))
     if name == "HYBRID_SHARD":
-        across = [g for g, sent in groups.items() if "all_reduce" in sent]
+        # (the training loop's all-reduce of the loss, one float, goes over all 4 ranks)
+        across = [g for g, sent in groups.items() if sent.get("all_reduce", 0) > 4 * (WORLD_SIZE - 1)]
         inside = [g for g, sent in groups.items() if "all_gather" in sent]
         if not across or any(len(g) != SHARD_GROUP for g in inside + across):
             return False, (f"{seen}, on the groups {sorted(groups)}: HYBRID_SHARD gathers inside a group of "

@@ -7,15 +7,18 @@ The learner's class -- the notebook's scaffold (it broadcasts rank 0's weights, 
 buckets, registers the gradient hooks) with ``grad_ready`` and
 ``finish_gradient_synchronization`` written by the learner; nothing of either is inherited
 -- and torch DDP train the same MLP from the same weights on the same data for ``STEPS``
-SGD steps on 2 ranks, with ``bucket_cap_mb=BUCKET_CAP_MB``. The course's observers watch
-from outside: ``Comm`` sees every all-reduce with its bytes, ``Timeline`` every layer's
-backward and every all-reduce from launch to completion. Judged: the gradients after every
+SGD steps on 2 ranks, with ``bucket_cap_mb=BUCKET_CAP_MB``, in the course's one training loop
+(``dpc.train.train(cfg, wrap=...)``). The course's observers watch from outside: ``Comm``
+sees every all-reduce with its bytes, ``Timeline`` every layer's backward and every
+all-reduce from launch to completion, ``Gradients`` (here) every gradient as the optimizer
+steps. Judged: the gradients after every
 backward equal torch DDP's; each bucket travels as one all-reduce per backward; and some
 bucket's all-reduce is still in flight while a later layer's backward computes (completion
 times, not launch times: an all-reduce waited for inside the hook never is).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +33,7 @@ MODEL, SIZES = "mlp", {"d_hidden": 512, "depth": 4}
 BUCKET_CAP_MB = 1.0      # MiB: 7 buckets of this MLP's gradients (each 512 x 512 weight fills one)
 STEPS, BATCH, LR = 3, 64, 0.05  # SGD steps, samples per rank per step, learning rate
 RTOL, ATOL = 1e-5, 1e-6  # on gradients; at 2 ranks (g0 + g1) / 2 is exact
+LOSS_BYTES = 4           # the training loop all-reduces the loss, one float32, after every step
 OVERLAP_S = 2e-4         # in flight under a later layer's backward for at least this long
 ITEMS = {"runs": f"trains {STEPS} steps on the ranks",
          "grads": "gradients equal torch DDP's after every backward (same model, data, buckets)",
@@ -57,29 +61,51 @@ def bucket_plan(model, bucket_cap_mb: float = BUCKET_CAP_MB) -> list[tuple[list[
     return buckets
 
 
-def _train_on_rank(kind, steps: int = STEPS):
-    """On this rank: ``steps`` SGD steps of the MLP wrapped by ``kind`` (the learner's class,
-    or "ddp"); the gradients after each backward."""
+def torch_ddp(model):
+    """The reference: PyTorch's DDP with the same bucket cap."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in dist.get_backend() else torch.device("cpu")
-    model = models.build_model(MODEL, seed=0, **SIZES).to(device)
-    if kind == "ddp":
-        wrapped = DDP(model, bucket_cap_mb=BUCKET_CAP_MB, device_ids=[device] if device.type == "cuda" else None)
-    else:
-        wrapped = kind(model, bucket_cap_mb=BUCKET_CAP_MB)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    x, y = models.make_dataset(MODEL, BATCH * world * steps, seed=1).tensors
-    grads = []
-    for step in range(steps):
-        lo = (step * world + rank) * BATCH
-        models.loss_fn(MODEL, wrapped(x[lo:lo + BATCH].to(device)), y[lo:lo + BATCH].to(device)).backward()
-        grads.append({n: p.grad.detach().cpu().clone() if p.grad is not None else None
-                      for n, p in model.named_parameters()})
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    return grads
+    device = next(model.parameters()).device
+    return DDP(model, bucket_cap_mb=BUCKET_CAP_MB, device_ids=[device] if device.type == "cuda" else None)
+
+
+class Gradients:
+    """Observer: every parameter's gradient as ``optimizer.step()`` begins (after backward and
+    whatever synchronisation the wrapper does), in the optimizer's order, per step."""
+
+    def __enter__(self):
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        self._steps: list[list] = []
+        self._hook = register_optimizer_step_pre_hook(self._before_step)
+        return self
+
+    def _before_step(self, optimizer, _args, _kwargs) -> None:
+        self._steps.append([None if p.grad is None else p.grad.detach().cpu().clone()
+                            for group in optimizer.param_groups for p in group["params"]])
+
+    def __exit__(self, *exc):
+        self._hook.remove()
+
+    def result(self) -> list:
+        return self._steps
+
+    def collect(self, per_rank: list) -> None:
+        self.per_rank = per_rank
+
+
+def config(world_size: int):
+    from ..train import TrainConfig
+
+    return TrainConfig(model=MODEL, model_sizes=dict(SIZES), batch_size=BATCH, steps=STEPS, optimizer="sgd",
+                       lr=LR, num_samples=BATCH * STEPS * world_size, progress=False)
+
+
+def _train(wrap):
+    """On each rank: the course's training loop with the learner's class (or torch DDP)."""
+    from ..train import train
+
+    train(config(dist.get_world_size()), wrap=wrap)
 
 
 def check_e(cls, cluster=None, timeout: float = 60.0) -> DDPReport:
@@ -97,17 +123,18 @@ def check_e(cls, cluster=None, timeout: float = 60.0) -> DDPReport:
         return report
     world = cluster.world_size if cluster is not None else 2
     with clusters_for(cluster, [world]) as clusters:
-        comm, timeline = Comm(), Timeline()
-        mine = run_or_failure(clusters[world], _train_on_rank, cls, timeout=timeout, observe=[comm, timeline])
-        if isinstance(mine, RankFailure):
-            report.add(ITEMS["runs"], False, mine.describe(timeout))
+        comm, timeline, mine = Comm(), Timeline(), Gradients()
+        wrap = functools.partial(cls, bucket_cap_mb=BUCKET_CAP_MB)
+        failed = run_or_failure(clusters[world], _train, wrap, timeout=timeout, observe=[comm, timeline, mine])
+        if isinstance(failed, RankFailure):
+            report.add(ITEMS["runs"], False, failed.describe(timeout))
             for key in ("grads", "buckets", "overlap"):
                 report.add(ITEMS[key], None, "judged once it trains")
             return report
-        torch_timeline = Timeline()
-        theirs = clusters[world].run(_train_on_rank, "ddp", timeout=timeout, observe=[torch_timeline])
+        torch_timeline, theirs = Timeline(), Gradients()
+        clusters[world].run(_train, torch_ddp, timeout=timeout, observe=[torch_timeline, theirs])
     report.add(ITEMS["runs"], True, f"{world} ranks, {STEPS} SGD steps of the course's MLP")
-    report.add(ITEMS["grads"], *_judge_grads(mine, theirs, world))
+    report.add(ITEMS["grads"], *_judge_grads(mine.per_rank, theirs.per_rank, world))
     report.add(ITEMS["buckets"], *_judge_buckets(comm))
     report.add(ITEMS["overlap"], *_judge_overlap(timeline, torch_timeline))
     report.figure = draw_side_by_side(timeline, torch_timeline)
@@ -115,17 +142,17 @@ def check_e(cls, cluster=None, timeout: float = 60.0) -> DDPReport:
 
 
 def _judge_grads(mine, theirs, world: int) -> tuple[bool, str]:
+    names = [n for n, _ in models.build_model(MODEL, **SIZES).named_parameters()]
     for rank, (a, b) in enumerate(zip(mine, theirs)):
         for step, (ga, gb) in enumerate(zip(a, b)):
-            for name, want in gb.items():
-                got = ga[name]
+            for name, got, want in zip(names, ga, gb):
                 if got is None:
                     return False, f"rank {rank}, step {step}: {name!r} has no gradient after backward"
                 if not torch.allclose(got, want, rtol=RTOL, atol=ATOL):
                     diff = (got - want).abs().max().item()
                     return False, (f"rank {rank}, step {step}, {name!r}: largest difference {diff:.2g}"
                                    f"{_why(got, want, world)}")
-    return True, f"{STEPS} steps x {len(mine[0][0])} parameters on {world} ranks"
+    return True, f"{STEPS} steps x {len(names)} parameters on {world} ranks"
 
 
 def _why(got: torch.Tensor, want: torch.Tensor, world: int) -> str:
@@ -144,7 +171,8 @@ def _judge_buckets(comm: Comm) -> tuple[bool, str]:
     plan = bucket_plan(models.build_model(MODEL, **SIZES))
     want = sorted(nbytes for _, nbytes in plan)
     for step in range(STEPS):
-        sent = [r.nbytes for r in comm.records(rank=0, step=step) if r.collective == "all_reduce"]
+        sent = [r.nbytes for r in comm.records(rank=0, step=step)  # but the loop's loss average (one float)
+                if r.collective == "all_reduce" and r.nbytes > LOSS_BYTES]
         if sorted(sent) == want:
             continue
         missing = [(names, nbytes) for names, nbytes in plan if nbytes not in sent]
@@ -166,7 +194,7 @@ def overlap_seconds(events) -> float:
     best = 0.0
     backward = [e for e in events if e.kind == "backward"]
     for e in events:
-        if e.kind != "all_reduce":
+        if e.kind != "all_reduce" or e.nbytes <= LOSS_BYTES:
             continue
         for b in backward:
             if b.rank == e.rank and b.step == e.step and b.start >= e.start:

@@ -1,78 +1,57 @@
-"""What exercises B and C share: a learner's wrapping trained on the ranks under the course's
-observers, the same training in one process, and a prediction judged without printing the
-value it is judged against.
+"""What exercises B and C share: a learner's wrapping trained on the ranks by the course's one
+training loop (``dpc.train.train`` with ``wrap=``) under the course's observers, the same
+training in one process, and a prediction judged without printing the value it is judged
+against.
 
-The learner writes ``wrap(model) -> model`` functions (DDP, FSDP1 or FSDP2 lines); the
-checker calls them on every rank on a fresh MLP that already sits on the rank's device, and
-trains the result with the loop below. Nothing of the learner's runs in the kernel.
+The learner writes ``wrap(model) -> model`` functions (DDP, FSDP1 or FSDP2 lines); the runner
+calls them on every rank on a fresh MLP that already sits on the rank's device. Nothing of
+the learner's runs in the kernel.
 """
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-
-from .. import models
+from ..train import TrainConfig, train, train_single_process
 
 STEPS, BATCH, LR = 3, 8, 1e-3   # Adam steps, samples per rank per step, learning rate
 WEIGHTS_ATOL = 1e-5            # fp32 data parallelism reproduces one process to float rounding
 
 
-def rank_device() -> torch.device:
-    if "nccl" in dist.get_backend():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def data(sizes: dict, world_size: int):
-    return models.make_dataset("mlp", STEPS * BATCH * world_size, seed=3).tensors
+def config(sizes: dict, world_size: int) -> TrainConfig:
+    return TrainConfig(model="mlp", model_sizes=dict(sizes), batch_size=BATCH, steps=STEPS, optimizer="adam",
+                       lr=LR, num_samples=BATCH * STEPS * world_size, progress=False)
 
 
 def train_wrapped(wrap, sizes: dict):
-    """On each rank: the MLP wrapped by the learner's ``wrap``, trained ``STEPS`` Adam steps on
-    this rank's share of each global batch. Returns the full weights after it (on every
-    rank) and the API the wrapping used: "fsdp2", "fsdp1" or "other"."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    """On each rank: the runner's training of the MLP, wrapped by the learner's ``wrap``.
+    Returns the full weights (on rank 0; None elsewhere) and the API the wrapping used:
+    "fsdp2", "fsdp1" or "other"."""
+    import torch.distributed as dist
 
-    rank, n, device = dist.get_rank(), dist.get_world_size(), rank_device()
-    model = wrap(models.build_model("mlp", seed=0, **sizes).to(device))
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"the wrap function returned a {type(model).__name__}, not the wrapped model: "
-                        "end it with `return model` (or the wrapper it built)")
-    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
-    x, y = data(sizes, n)
-    for step in range(STEPS):
-        rows = slice((step * n + rank) * BATCH, (step * n + rank + 1) * BATCH)
-        F.mse_loss(model(x[rows].to(device)), y[rows].to(device)).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    api = ("fsdp2" if any(isinstance(m, FSDPModule) for m in model.modules()) else
-           "fsdp1" if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()) else "other")
-    return {"weights": {k: v.detach().cpu() for k, v in state.items()}, "api": api}
+    def checked(model):
+        wrapped = wrap(model)
+        if not hasattr(wrapped, "parameters"):
+            raise TypeError(f"the wrap function returned a {type(wrapped).__name__}, not the wrapped model: "
+                            "end it with `return model` (or the wrapper it built)")
+        return wrapped
+
+    metrics = train(config(sizes, dist.get_world_size()), full_state=True, wrap=checked)
+    applied = metrics["applied"]
+    api = ("fsdp1" if applied.startswith("FullyShardedDataParallel") else
+           "fsdp2" if applied.startswith("FSDP") else "other")
+    return {"weights": metrics["state"], "api": api}
 
 
 def one_process(sizes: dict, world_size: int) -> dict:
     """The same training in this process, on the whole global batches."""
-    model = models.build_model("mlp", seed=0, **sizes)
-    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
-    x, y = data(sizes, world_size)
-    for step in range(STEPS):
-        rows = slice(step * world_size * BATCH, (step + 1) * world_size * BATCH)
-        F.mse_loss(model(x[rows]), y[rows]).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return {k: v.detach() for k, v in model.state_dict().items()}
+    return train_single_process(config(sizes, world_size), world_size)["state"]
 
 
 def weights_verdict(results: list[dict], reference: dict) -> tuple[bool, str]:
-    """Do every rank's full weights equal one process's? (keys must be the plain model's)"""
-    weights = [r["weights"] for r in results]
-    missing = sorted(set(reference) - set(weights[0]))
+    """Do rank 0's full weights equal one process's? (keys must be the plain model's)"""
+    weights = results[0]["weights"]
+    missing = sorted(set(reference) - set(weights))
     if missing:
         return False, f"the trained model has no {missing[0]!r}: did the wrap function return the model it wrapped?"
-    diff = max((w[k].float() - reference[k]).abs().max().item() for w in weights for k in reference)
+    diff = max((weights[k].float().cpu() - reference[k]).abs().max().item() for k in reference)
     if diff <= WEIGHTS_ATOL:
         return True, f"largest difference {diff:.1e}"
     return False, (f"largest difference from one process {diff:.1e}: does the wrapping keep every rank's "

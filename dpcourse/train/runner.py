@@ -95,7 +95,7 @@ def train(cfg: TrainConfig, full_state: bool = False, wrap=None, optimizer_for=N
     applied = parallel.describe(model, cfg) if wrap is None else f"{type(model).__name__} over {world} ranks"
     begin, resumed_from = checkpoint.resume(cfg.resume, cfg.checkpoint_dir, model, optimizer,
                                             cfg.batch_size * world, per_epoch=len(loader))
-    if rank == 0:
+    if rank == 0 and cfg.progress:
         origin = f" (resumed from {resumed_from})" if resumed_from else ""
         print(f"{applied}; steps {begin.step}..{cfg.steps}{origin}, global batch {cfg.batch_size * world}",
               flush=True)  # seen even if this attempt is killed
