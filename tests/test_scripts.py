@@ -110,10 +110,17 @@ def test_ddp_equals_single_process_on_the_global_batch(tmp_path, single, nproc):
 
 
 def test_fsdp_equals_single_process_on_the_global_batch(tmp_path, single):
+    """With float32 gathers, to float rounding; with the script's default bf16 gathers, to
+    bf16's rounding (the fp32 shards stay the master copy)."""
     out = tmp_path / "fsdp.pt"
-    lines = _torchrun("train_fsdp", 2, out, "--batch-size", str(GLOBAL_BATCH // 2))
+    lines = _torchrun("train_fsdp", 2, out, "--batch-size", str(GLOBAL_BATCH // 2), "--param-dtype", "float32")
     _assert_same_training(lines, out, single)
     assert {type(t) for t in torch.load(out).values()} == {torch.Tensor}  # full tensors, not DTensor shards
+    bf16 = tmp_path / "bf16.pt"
+    _torchrun("train_fsdp", 2, bf16, "--batch-size", str(GLOBAL_BATCH // 2))
+    full, low = torch.load(out), torch.load(bf16)
+    gap = max((full[k] - low[k]).abs().max().item() for k in full)
+    assert 1e-6 < gap < 1e-3, gap
 
 
 def test_single_process_on_the_per_rank_batch_trains_something_else(tmp_path, single):

@@ -115,8 +115,8 @@ def test_checkpoint_progress_and_folder_rules(tmp_path):
 @pytest.mark.parametrize("options, message", [
     (dict(strategy="zero"), "unknown strategy 'zero'; choose one of ddp, fsdp, fully_shard"),
     (dict(strategy="fsdp", sharding_strategy="FULL"), "unknown sharding_strategy"),
-    (dict(strategy="fsdp", sharding_strategy="HYBRID_SHARD", shard_group_size=3), "dividing world_size=4"),
-    (dict(strategy="fsdp", sharding_strategy="HYBRID_SHARD"), "dividing world_size=4"),
+    (dict(strategy="fsdp", sharding_strategy="HYBRID_SHARD", shard_group_size=3), "divides world_size=4"),
+    (dict(strategy="fsdp", sharding_strategy="HYBRID_SHARD"), "HYBRID_SHARD needs shard_group_size"),
     (dict(strategy="fsdp", sharding_strategy="HYBRID_SHARD", shard_group_size=4), "silently be\nFULL_SHARD|silently be FULL_SHARD"),
     (dict(mixed_precision="fp8"), "unknown mixed_precision"),
     (dict(batch_size=200, num_samples=512), "fewer than batch_size=200"),

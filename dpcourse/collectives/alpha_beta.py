@@ -43,8 +43,9 @@ def time_all_reduce(sizes_bytes, repeats: int = 20) -> dict:
 # Each link is what one GPU sends on in a ring, one direction (bytes/s), and a latency per
 # ring step (message). Bandwidths are the vendors' peak figures, so real collectives are
 # slower (nccl-tests' busbw stays below them); latencies are the per-step hardware latencies
-# of NCCL's own cost model for a ring with its Simple protocol (src/graph/tuning.cc, hwLat;
-# NCCL adds a base latency per collective, 8.4 us in that table, left out here).
+# of NCCL's own cost model for a ring with its Simple protocol (src/graph/tuning.cc, hwLat, as in
+# NCCL 2.18-2.21; other versions tune these constants differently; NCCL adds a base latency per
+# collective, 8.4 us in that table, left out here).
 
 
 @dataclass(frozen=True)

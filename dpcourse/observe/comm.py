@@ -92,6 +92,7 @@ class Completions:
 
     def __init__(self):
         self._pending: list = []  # (weak reference to the output, its version at issue, fn)
+        self._outstanding = 0     # future callbacks not yet run
         self._wake = threading.Condition()
         self._closing = False
         self._thread: threading.Thread | None = None
@@ -105,10 +106,14 @@ class Completions:
         if not isinstance(work, dist.Work):  # the dispatcher hands over a boxed (script) Work
             work = dist.Work.unbox(work)
         try:
-            work.get_future().add_done_callback(lambda _future: fn())
-            return
+            future = work.get_future()
         except RuntimeError:  # "Work::getFuture not implemented"
-            pass
+            future = None
+        if future is not None:
+            with self._wake:
+                self._outstanding += 1
+            future.add_done_callback(lambda _future: self._done(fn))
+            return
         if output is None:
             return  # nothing to watch: the end stays unknown
         with self._wake:
@@ -117,6 +122,16 @@ class Completions:
                 self._thread = threading.Thread(target=self._poll, daemon=True, name="dpcourse-completions")
                 self._thread.start()
             self._wake.notify()
+
+    def _done(self, fn) -> None:
+        """A future's callback: the backend runs it on its own thread, maybe just after the
+        caller's wait() has returned -- close() waits for it."""
+        try:
+            fn()
+        finally:
+            with self._wake:
+                self._outstanding -= 1
+                self._wake.notify_all()
 
     def _poll(self) -> None:
         while True:
@@ -137,12 +152,16 @@ class Completions:
             time.sleep(0.0005)
 
     def close(self, timeout: float = 10.0) -> None:
-        """One last look, then stop the helper thread; a work still pending keeps an unknown end."""
+        """Let every future's callback run, take one last look, then stop the helper thread; a
+        work still pending keeps an unknown end."""
+        deadline = time.monotonic() + timeout
         with self._wake:
             self._closing = True
-            self._wake.notify()
+            self._wake.notify_all()
+            while self._outstanding and time.monotonic() < deadline:  # completions still to report
+                self._wake.wait(0.05)
         if self._thread is not None:
-            self._thread.join(timeout)
+            self._thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def first_tensor(arg) -> torch.Tensor | None:

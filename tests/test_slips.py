@@ -1,0 +1,100 @@
+"""Six statements the course once got wrong, each checked against what PyTorch does or says,
+so that none of them comes back: the projection's overlap per phase, FSDP2's default
+prefetch, FSDP1's full state dict, the precision 4.2b claims, DDP's buffer broadcast, and
+the NCCL version behind the α figures."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dpcourse.collectives import alpha_beta
+
+pytestmark = pytest.mark.timeout(180)
+NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+
+
+def prose(name: str) -> str:
+    nb = json.loads((NOTEBOOKS / name).read_text())
+    return "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown")
+
+
+def test_1_fsdp_hides_phase_by_phase_like_ddp_when_bandwidth_dominates():
+    """Forward's all-gathers run under forward (Ψ against 2PT), backward's gathers and
+    reduce-scatters under backward (2Ψ against 4PT): DDP's ratio. Setting FSDP's whole 3Ψ
+    against backward alone made FULL_SHARD need 1.5x DDP's tokens."""
+    no_latency = alpha_beta.Link("bandwidth only", 0.0, 450e9, "test")
+    rows = alpha_beta.hiding_rows([("8 GPUs", s, 8, no_latency, {}) for s in ("ddp", "FULL_SHARD")])
+    for model in alpha_beta.REFERENCE_MODELS:
+        ddp, fsdp = (next(r for r in rows if r["model"] == model and r["strategy"] == s)["min tokens"]
+                     for s in ("ddp", "FULL_SHARD"))
+        assert fsdp == pytest.approx(ddp, rel=0.05), (model, ddp, fsdp)
+
+
+def test_2_fsdp2_overlaps_the_next_gather_by_default_as_its_docstring_says():
+    from torch.distributed.fsdp import FSDPModule
+
+    doc = " ".join(FSDPModule.set_modules_to_forward_prefetch.__doc__.split())
+    assert "same all-gather overlap behavior as the default" in doc and "issued earlier from the CPU" in doc
+    text = " ".join(prose("4.2c-large-models.ipynb").split())
+    assert "FSDP2 overlaps both directions by default" in text and "earlier *from the CPU*" in text
+    assert "none in forward" not in text
+
+
+def _state_dicts():
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import fully_shard
+
+    import dpcourse as dpc
+
+    fsdp1 = FSDP(dpc.models.build_model("mlp"), device_id=torch.device("cpu"))
+    fsdp2 = dpc.models.build_model("mlp")
+    fully_shard(fsdp2)
+    plain = dpc.models.build_model("mlp").state_dict()
+    one = fsdp1.state_dict()  # FSDP1's default: StateDictType.FULL_STATE_DICT
+    two = fsdp2.state_dict()
+    return ({k: (type(v).__name__, tuple(v.shape)) for k, v in one.items()},
+            {k: type(v).__name__ for k, v in two.items()},
+            {k: tuple(v.shape) for k, v in plain.items()})
+
+
+def test_3_fsdp1_full_state_dict_is_plain_full_tensors_fsdp2_holds_dtensors(cluster2):
+    one, two, plain = cluster2.run(_state_dicts)[0]
+    assert {k: shape for k, (_, shape) in one.items()} == plain and {t for t, _ in one.values()} == {"Tensor"}
+    assert set(two) == set(plain) and set(two.values()) == {"DTensor"}
+    text = " ".join(prose("4.2b-fsdp.ipynb").split())
+    assert "Under **FSDP1** the default `StateDictType.FULL_STATE_DICT` gathers full tensors" in text
+
+
+def test_4_no_notebook_says_it_stays_in_fp32_after_bf16():
+    for path in NOTEBOOKS.glob("4*.ipynb"):
+        assert "stays in fp32" not in prose(path.name), path.name
+
+
+def _buffer_after_forward():
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = torch.nn.BatchNorm1d(3)
+    ddp = DDP(model)  # broadcast_buffers=True by default
+    with torch.no_grad():
+        model.running_mean.fill_(float(dist.get_rank() + 1))  # the ranks' buffers now differ
+    ddp(torch.randn(4, 3))  # DDP broadcasts rank 0's buffers before this forward
+    return model.running_mean.clone(), model.num_batches_tracked.item()
+
+
+def test_5_ddp_broadcasts_rank_0s_buffers_before_every_forward(cluster2):
+    (mean0, n0), (mean1, n1) = cluster2.run(_buffer_after_forward)
+    assert torch.equal(mean0, mean1) and n0 == n1  # rank 1 started from rank 0's 1.0, not its own 2.0
+    text = " ".join(prose("4.1-data-parallelism-in-depth.ipynb").split())
+    assert "`broadcast_buffers=True`" in text and "running statistics" in text
+
+
+def test_6_the_alpha_figures_name_the_nccl_version_they_come_from():
+    source = Path(alpha_beta.__file__).read_text()
+    assert re.search(r"tuning\.cc.{0,80}NCCL 2\.18[–-]2\.21", " ".join(source.split()))
+    text = " ".join(prose("4.2b-fsdp.ipynb").split())
+    assert re.search(r"tuning\.cc.{0,120}NCCL 2\.18–2\.21", text)
