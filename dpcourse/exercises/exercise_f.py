@@ -127,6 +127,9 @@ def _judge_clip(logs) -> tuple[bool | None, str]:
     if not steps:
         return None, "judged at the first optimizer step, which a rank never reached"
     dtensors = all(log["shards"] and log["shards"][2] == log["shards"][3] for log in logs)
+    if all(log["grads"][k] == 0 for log in logs for k in steps):
+        return None, ("the optimizer's parameters never had a gradient (it holds parameters the model no "
+                      "longer uses?): judged once it steps the shards")
     norms = []
     for k in steps:
         squares = [log["grads"][k] for log in logs]
