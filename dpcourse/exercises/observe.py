@@ -165,9 +165,9 @@ def _tensors(arg) -> list:
 
 
 def _process_group(arg):
-    from ..observe.comm import _process_group as group_of
+    from ..pool.tracker import process_group
 
-    return group_of(arg)
+    return process_group(arg)
 
 
 def read_log(directory: str, rank: int) -> dict:

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..collectives.cost import bus_factor
-from ..pool.tracker import TRACKER
+from ..pool.tracker import TRACKER, process_group
 from .watch import LoopWatch
 
 # Where S is among a c10d op's arguments: 0, the input; 1, the output (all_gather's input is
@@ -64,17 +64,6 @@ def _nbytes(arg) -> int:
     if isinstance(arg, (list, tuple)):
         return sum(_nbytes(a) for a in arg)
     return 0
-
-
-def _process_group(arg):
-    """The ProcessGroup a c10d op was called on: ops receive it boxed as a ScriptObject."""
-    import torch.distributed as dist
-
-    if isinstance(arg, dist.ProcessGroup):
-        return arg
-    if isinstance(arg, torch.ScriptObject) and "ProcessGroup" in arg._type().qualified_name():
-        return dist.ProcessGroup.unbox(arg)
-    return None
 
 
 class Completions:
@@ -248,7 +237,7 @@ class Comm:
         else:
             where = _PAYLOAD_ARG.get(name, 0)
             nbytes = _nbytes(args[where]) if where is not None and len(args) > where else 0
-            group = next((g for g in map(_process_group, args) if g is not None), None)
+            group = next((g for g in map(process_group, args) if g is not None), None)
             n, peer, payload = group.size() if group is not None else self._dist.get_world_size(), None, None
         ranks = tuple(self._dist.get_process_group_ranks(group)) if group is not None else None
         record = CommRecord(name, issued.collective, nbytes, n, logical_sent(issued.collective, nbytes, n),

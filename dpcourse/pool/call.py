@@ -11,6 +11,7 @@ import time
 
 from .errors import RankDied, RankError, RankReport, RankTimeout
 from .procs import readable
+from .tracker import in_flight
 
 ERROR_GRACE_S = 0.25  # after the first failure, how long other ranks may take to report theirs
 INTERRUPT_GRACE_S = 1.0  # after the stop button, how long ranks may take to unwind
@@ -26,6 +27,7 @@ class Call:
         self.results: list = [None] * n
         self.observed: list = [None] * n  # per rank: what each observer of the call saw
         self.reports: dict[int, RankReport] = {}
+        self.traffic: dict[int, dict] = {}  # rank -> the call's messages and collectives
         self.first_failure: float | None = None
 
     def run(self, message: bytes) -> list:
@@ -61,6 +63,19 @@ class Call:
         if self.first_failure is not None:
             died = any(r.state == "died" for r in self.reports.values())
             self._fail(RankDied if died else RankError)
+        left = self._left_in_flight()
+        if left:  # the call went well, but what it left would meet the next call's code
+            self.cluster._printer.flush()
+            print("dpcourse: the call returned, but " + "; ".join(left) + ". So that the next "
+                  "call starts clean, the ranks were restarted (variables kept on ranks are gone).",
+                  file=sys.stderr)
+            self.cluster._restart()
+
+    def _left_in_flight(self) -> list[str]:
+        """Messages or collectives of this call still in flight (every rank has replied)."""
+        if len(self.traffic) < self.cluster.world_size or None in self.traffic.values():
+            return []  # a rank died (restarted anyway), or its traffic is unknown
+        return in_flight(self.traffic)
 
     def _report(self, rank: int, msg) -> RankReport:
         """What a rank's reply (None: the rank died) says; notes a destroyed process group."""
@@ -68,7 +83,8 @@ class Call:
         if msg is None:
             return RankReport(rank, "died", cluster._link.exit_text(self.gen, rank),
                               cluster._link.crash_log(self.gen, rank))
-        if not msg[-1]:  # the last item of every reply: is the pool's process group intact?
+        intact, self.traffic[rank] = msg[-1]  # the last item of every reply
+        if not intact:  # the pool's process group was destroyed
             cluster._group_lost.add(rank)
         if msg[0] == "ok":
             self.results[rank], self.observed[rank] = msg[2], msg[3]
@@ -102,10 +118,11 @@ class Call:
     def _fail(self, error):
         __tracebackhide__ = True
         restarted = bool(self.pending) or error is RankDied
+        left = [] if restarted else self._left_in_flight()
         if self.pending:
             self.reports.update(self._stuck_reports(1.0 if error is RankTimeout else 0.3))
         self.cluster._printer.flush()
-        if restarted:
+        if restarted or left:
             self.cluster._restart()
         ordered = [self.reports[r] for r in sorted(self.reports)]
         if error is RankTimeout:
@@ -115,7 +132,7 @@ class Call:
                 r.summary = f"was stopped while {r.summary}" if r.summary.startswith("waiting") else \
                     "was stopped while running"
                 r.traceback = ""
-        raise error(ordered, restarted)
+        raise error(ordered, restarted or bool(left), left)
 
     def _on_interrupt(self) -> None:
         """The stop button: interrupt the ranks' Python code; restart any that do not return."""
@@ -125,12 +142,15 @@ class Call:
             cluster._launcher.signal([gen.pids[r] for r in pending], signal.SIGINT)
             deadline = time.monotonic() + INTERRUPT_GRACE_S
             while pending and time.monotonic() < deadline:
-                for rank, _ in cluster._link.poll(gen, set(pending), 0.05):
+                for rank, msg in cluster._link.poll(gen, set(pending), 0.05):
                     pending.discard(rank)
+                    if msg is not None:
+                        self.traffic[rank] = msg[-1][1]
             notes = [where[r].describe(with_trace=False) for r in sorted(where)]
-            if pending:
+            left = [] if pending else self._left_in_flight()
+            if pending or left:
                 cluster._restart()
-                notes.append("the ranks were restarted")
+                notes += left + ["the ranks were restarted"]
             print("dpcourse: interrupted: " + ("; ".join(notes) or "ranks stopped")
                   + "; the cluster is ready.", file=sys.stderr)
         except BaseException:

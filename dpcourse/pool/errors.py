@@ -45,17 +45,22 @@ def _format(title: str, reports: list[RankReport], note: str) -> str:
 class RankError(ClusterError):
     """One or more ranks raised an exception or died; ``failures`` maps rank -> RankReport."""
 
-    def __init__(self, reports: list[RankReport], restarted: bool):
+    def __init__(self, reports: list[RankReport], restarted: bool, in_flight: list[str] = ()):
         self.reports = {r.rank: r for r in reports}
         self.failures = {r.rank: r for r in reports if r.state in ("raised", "exited", "died")}
         self.restarted = restarted
+        self.in_flight = list(in_flight)  # what the call left in flight, one line each
         bad = sorted(self.failures)
         title = f"{len(bad)} of {len(reports)} rank(s) failed: {', '.join(map(str, bad))}"
-        note = (
-            "The ranks were restarted (variables kept on ranks are gone); the cluster is ready."
-            if restarted
-            else "No rank was left running, so the ranks were kept; the cluster is ready."
-        )
+        if self.in_flight:
+            note = ("No rank was left running, but the call left messages or collectives in flight ("
+                    + "; ".join(self.in_flight) + "), which the next call would meet. So the ranks "
+                    "were restarted (variables kept on ranks are gone); the cluster is ready.")
+        elif restarted:
+            note = "The ranks were restarted (variables kept on ranks are gone); the cluster is ready."
+        else:
+            note = ("No rank was left running and nothing of the call is in flight, so the ranks "
+                    "were kept; the cluster is ready.")
         failed = [self.reports[r] for r in bad]
         others = [r for r in reports if r.rank not in self.failures]
         text = _format(title, failed, "")

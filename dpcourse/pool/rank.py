@@ -31,15 +31,28 @@ OOM_SCORE_ADJ = 1000
 
 
 def set_death_signal(expected_parent: int) -> None:
-    """Ask Linux to SIGKILL this process when its parent dies (no-op elsewhere)."""
+    """Die with the parent ``expected_parent``: Linux SIGKILLs this process when its parent
+    dies; elsewhere a watchdog thread checks the parent every half second."""
+    armed = False
     if sys.platform.startswith("linux"):
         import ctypes
 
         libc = ctypes.CDLL(None, use_errno=True)
         PR_SET_PDEATHSIG = 1
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        armed = libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL) == 0
     if os.getppid() != expected_parent:  # the parent died before the signal was armed
         os._exit(1)
+    if not armed:
+        threading.Thread(target=_watch_parent, args=(expected_parent,), name="dpcourse-parent",
+                         daemon=True).start()
+
+
+def _watch_parent(parent: int) -> None:
+    import time
+
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(1)
 
 
 class Rank:
@@ -131,7 +144,8 @@ class Rank:
             self.task.send_bytes(out)
 
     def execute(self, kind: str, run_id: int, payload: bytes):
-        """Run one call; the reply ends with whether the pool's process group is still intact."""
+        """Run one call; the reply ends with whether the pool's process group is still intact
+        and the call's traffic (what the kernel checks for messages still in flight)."""
         try:
             sources, call = payload
             linecache.cache.update(sources)
@@ -146,10 +160,10 @@ class Rank:
                 self.group.release()
             value, observed = value if kind in ("call", "script") else (value, [])
             if kind == "script" and value != 0:
-                return ("exited", run_id, value, observed, self.group.intact())
-            return ("ok", run_id, value, observed, self.group.intact())
+                return ("exited", run_id, value, observed, self._after())
+            return ("ok", run_id, value, observed, self._after())
         except KeyboardInterrupt:
-            return ("interrupted", run_id, self.group.intact())
+            return ("interrupted", run_id, self._after())
         except BaseException as exc:  # noqa: BLE001 -- everything goes back to the kernel
             tb = _learner_traceback(exc)
             summary = traceback.format_exception_only(type(exc), exc)[-1].strip()
@@ -157,7 +171,14 @@ class Rank:
                 wire.dumps(exc)
             except Exception:
                 exc = None
-            return ("raised", run_id, summary, tb, exc, self.group.intact())
+            return ("raised", run_id, summary, tb, exc, self._after())
+
+    def _after(self) -> tuple:
+        try:
+            traffic = self.tracker.traffic()
+        except Exception:  # noqa: BLE001 -- a torch without get_process_group_ranks: unchecked
+            traffic = None
+        return self.group.intact(), traffic
 
     def _dispatch(self, kind: str, call):
         if kind == "cell":

@@ -22,6 +22,12 @@ completes: Gloo and NCCL run collectives in the background, and a rank blocks la
 not completed (a collective's future says when; a point-to-point ``Work``, which has no
 future on Gloo, is asked). Counts start again at every call.
 
+Every call also keeps its *traffic*: the messages each rank sent and received, by peer, and
+the collectives it issued, by process group (``traffic()``). The kernel adds them up over
+the ranks after the call: a message no rank received, a receive nothing matched, or a group
+whose members issued different numbers of collectives is still in flight, and would be
+matched by the next call's code -- so the pool starts fresh ranks instead of keeping them.
+
 Whoever wants to see every collective a rank issues -- the course's observers -- listens
 (``TRACKER.listen(fn)``): ``fn(Issued(...))`` is called on the issuing thread right after
 each operator returns, with its arguments and ``Work``.
@@ -92,6 +98,53 @@ class CollectiveTracker:
             self.counts: dict[str, int] = {}
             self.issued: list[list] = []  # [name, number, start, completed, p2p Work or None]
             self.entering: tuple[str, int, float] | None = None
+            # this call's traffic; groups are held only until traffic() reads them
+            self._groups: dict[int, object] = {}
+            self._sent: dict[tuple, int] = {}      # (id(group), peer) -> messages
+            self._received: dict[tuple, int] = {}  # (id(group), peer or None: any source) -> messages
+            self._any_source: list = []            # (id(group), Work) of irecv(src=None)
+            self._collectives: dict[int, int] = {}  # id(group) -> collectives issued
+
+    def _note_group(self, group) -> int:
+        if group is None:
+            import torch.distributed as dist
+
+            group = dist.group.WORLD
+        self._groups.setdefault(id(group), group)
+        return id(group)
+
+    def traffic(self) -> dict:
+        """This call's messages and collectives on the groups that still exist, keyed by the
+        group's ranks (global): ``{"sent": {(ranks, dst): n}, "received": {(ranks, src): n},
+        "collectives": {ranks: n}}``; ``src`` None: a receive from any rank still unmatched."""
+        import torch.distributed as dist
+
+        with self._lock:
+            groups, self._groups = self._groups, {}
+            sent, received = dict(self._sent), dict(self._received)
+            collectives, any_source = dict(self._collectives), list(self._any_source)
+        for gid, work in any_source:
+            try:
+                peer = work._source_rank() if work.is_completed() else None
+            except Exception:
+                peer = None
+            received[(gid, peer)] = received.get((gid, peer), 0) + 1
+        alive: dict[int, tuple] = {}
+        for gid, group in groups.items():
+            try:
+                alive[gid] = tuple(dist.get_process_group_ranks(group))
+            except Exception:  # destroyed in the call (a script's group): its traffic went with it
+                pass
+        out: dict = {"sent": {}, "received": {}, "collectives": {}}
+        for name, table in (("sent", sent), ("received", received)):
+            for (gid, peer), n in table.items():
+                if gid in alive:
+                    key = (alive[gid], peer)
+                    out[name][key] = out[name].get(key, 0) + n
+        for gid, n in collectives.items():
+            if gid in alive:
+                out["collectives"][alive[gid]] = out["collectives"].get(alive[gid], 0) + n
+        return out
 
     def install(self) -> None:
         """Route the c10d collective operators through the tracker (once per process:
@@ -178,6 +231,9 @@ class CollectiveTracker:
                 work = fn(*args, **kwargs)  # send/recv block; isend/irecv return a Work
             finally:
                 self._leave()
+            tensor, peer, group = _p2p_args(name, args, kwargs)
+            if peer is None and isinstance(work, int):  # recv(src=None) returns the sender
+                peer = work
             with self._lock:
                 for entry in self.issued:  # let go of the Works that have completed
                     if entry[4] is not None and entry[4].is_completed():
@@ -185,10 +241,17 @@ class CollectiveTracker:
                 # send returns None and recv the sender's rank (an int): both have completed
                 pending = work if hasattr(work, "is_completed") else None
                 self.issued.append([name, number, start, pending is None, pending])
+                gid = self._note_group(group)
+                if "send" in name:
+                    self._sent[(gid, peer)] = self._sent.get((gid, peer), 0) + 1
+                elif peer is None and pending is not None:
+                    self._any_source.append((gid, pending))
+                else:
+                    self._received[(gid, peer)] = self._received.get((gid, peer), 0) + 1
                 if len(self.issued) > _KEEP:
                     self.issued = [e for e in self.issued if not e[3]][-_KEEP:] or self.issued[-1:]
             if self._listeners:
-                self._tell(Issued(name, "send" if "send" in name else "recv", _p2p_args(name, args, kwargs),
+                self._tell(Issued(name, "send" if "send" in name else "recv", (tensor, peer, group),
                                   start, work))
             return work
 
@@ -205,6 +268,10 @@ class CollectiveTracker:
             finally:
                 self._leave()
             work = result[-1] if isinstance(result, tuple) else result
+            group = next((g for g in map(process_group, args) if g is not None), None)
+            with self._lock:
+                gid = self._note_group(group)
+                self._collectives[gid] = self._collectives.get(gid, 0) + 1
             self._issued(collective, number, start, work)
             if self._listeners:
                 self._tell(Issued(op_name, collective, args, start, work))
@@ -250,6 +317,64 @@ def _p2p_args(name: str, args: tuple, kwargs: dict) -> tuple:
         local = given.get("group_dst" if "send" in name else "group_src")
         peer = None if local is None else dist.get_global_rank(group, local)
     return given.get("tensor"), peer, group
+
+
+def process_group(arg):
+    """The ProcessGroup a c10d operator was called with (boxed as a ScriptObject), else None."""
+    import torch
+    import torch.distributed as dist
+
+    if isinstance(arg, dist.ProcessGroup):
+        return arg
+    if isinstance(arg, torch.ScriptObject) and "ProcessGroup" in arg._type().qualified_name():
+        return dist.ProcessGroup.unbox(arg)
+    return None
+
+
+def in_flight(traffic: dict[int, dict]) -> list[str]:
+    """What the ranks' traffic (rank -> ``CollectiveTracker.traffic()``) leaves in flight, one
+    line per problem: a message no rank received, a receive nothing sent to, a group whose
+    members issued different numbers of collectives. Empty: nothing can reach the next call."""
+    sent: dict[tuple, int] = {}      # (group ranks, src, dst) -> messages
+    received: dict[tuple, int] = {}  # (group ranks, src, dst)
+    any_source: dict[tuple, int] = {}  # (group ranks, dst) -> receives from any rank
+    issued: dict[tuple, dict[int, int]] = {}
+    for rank, t in traffic.items():
+        for (ranks, dst), n in t["sent"].items():
+            sent[(ranks, rank, dst)] = sent.get((ranks, rank, dst), 0) + n
+        for (ranks, src), n in t["received"].items():
+            if src is None:
+                any_source[(ranks, rank)] = any_source.get((ranks, rank), 0) + n
+            else:
+                received[(ranks, src, rank)] = received.get((ranks, src, rank), 0) + n
+        for ranks, n in t["collectives"].items():
+            issued.setdefault(ranks, {})[rank] = n
+    problems = []
+    for key in sorted(set(sent) | set(received), key=str):
+        ranks, src, dst = key
+        extra = sent.get(key, 0) - received.get(key, 0)
+        if extra > 0:
+            matched = min(extra, any_source.get((ranks, dst), 0))
+            any_source[(ranks, dst)] = any_source.get((ranks, dst), 0) - matched
+            extra -= matched
+        if extra > 0:
+            problems.append(f"rank {src} sent {_messages(extra)} to rank {dst} that rank {dst} did not receive")
+        elif extra < 0:
+            problems.append(f"rank {dst} waits for {_messages(-extra)} from rank {src} that rank {src} did not send")
+    for (ranks, dst), n in sorted(any_source.items(), key=str):
+        if n > 0:
+            problems.append(f"rank {dst} waits for {_messages(n)} from any rank that no rank sent")
+    for ranks, by_rank in sorted(issued.items(), key=str):
+        counts = {r: by_rank.get(r, 0) for r in ranks if r in traffic}
+        if len(set(counts.values())) > 1:
+            where = "the default group" if len(ranks) == len(traffic) else f"the group of ranks {list(ranks)}"
+            said = ", ".join(f"rank {r} {n}" for r, n in sorted(counts.items()))
+            problems.append(f"on {where} the ranks issued different numbers of collectives ({said})")
+    return problems
+
+
+def _messages(n: int) -> str:
+    return "1 message" if n == 1 else f"{n} messages"
 
 
 _inside = threading.local()  # .p2p: a tracked point-to-point call is running on this thread

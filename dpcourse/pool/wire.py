@@ -19,12 +19,14 @@ from .errors import SerializationError
 #                                 "script" (run a file as torchrun would), "reinit" (join a new
 #                                 default process group on the port in the payload)
 # rank -> kernel (task socket):   ("ready", rank, pid) | ("init_error", rank, text)
-#                                 ("ok", run_id, value, observed, intact)
-#                                 ("exited", run_id, code, observed, intact)   (a script's sys.exit(code != 0))
+#                                 ("ok", run_id, value, observed, after)
+#                                 ("exited", run_id, code, observed, after)   (a script's sys.exit(code != 0))
 #                                 observed: [observer.result() for each observer of the call]
-#                                 ("raised", run_id, summary, tb, exc, intact)
-#                                 ("interrupted", run_id, intact)
-#                                 intact: whether the pool's default process group still exists
+#                                 ("raised", run_id, summary, tb, exc, after)
+#                                 ("interrupted", run_id, after)
+#                                 after: (intact, traffic): whether the pool's default process
+#                                 group still exists; the call's messages and collectives
+#                                 (CollectiveTracker.traffic(), None if unknown)
 # kernel -> rank (control socket): ("status",)
 # rank -> kernel (control socket): ("out", stream, text) | ("status", state_dict)
 
