@@ -31,14 +31,8 @@ fi
 cmd=($TORCHRUN --nnodes="$NNODES" --nproc_per_node="$NPROC_PER_NODE" --rdzv_backend=c10d
      --rdzv_endpoint="$RDZV_ENDPOINT" --rdzv_id="$RDZV_ID" --max-restarts="$MAX_RESTARTS"
      -m dpcourse.train "$@")
-if [ "$MAX_RESTARTS" -gt 0 ]; then
-  # torchrun keeps one TCP store for all restarts, so a restarted worker can read the previous
-  # attempt's Gloo/NCCL addresses from it and fail ("Connection refused"; 3 of 5 restarts
-  # here, pytorch/pytorch#135712). A fresh store per attempt avoids it (0 of 11 failed).
-  export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
-fi
 if [ "${DRY_RUN:-0}" = 1 ]; then
-  echo "${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:+TORCH_DISABLE_SHARE_RDZV_TCP_STORE=$TORCH_DISABLE_SHARE_RDZV_TCP_STORE }${cmd[*]}"
+  echo "${cmd[*]}"
   exit 0
 fi
 exec "${cmd[@]}"

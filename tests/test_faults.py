@@ -193,3 +193,112 @@ def test_kill_9_at_each_point_of_a_checkpoint_write(cluster2, uninterrupted, tmp
     torch.testing.assert_close(rest["losses"], whole["losses"][newest:], rtol=0, atol=0)
     torch.testing.assert_close(rest["state"], whole["state"], rtol=0, atol=0)
     assert not [p for p in os.listdir(root) if p.startswith(".")]  # the stale partial was cleared
+
+
+# --- a plain torchrun command, as PyTorch's elastic docs show it ---------------------------
+
+def _plain(tmp_path: Path, steps: int, every: int, *extra: str, **env) -> subprocess.Popen:
+    """``torchrun --standalone --max-restarts=1 --nproc_per_node=2 -m dpcourse.train ...`` with
+    no TORCH_* or TORCHELASTIC_* variable of ours (the launchers' fix is not there)."""
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--max-restarts=1",
+            "--nproc_per_node=2", "-m", "dpcourse.train", "--steps", str(steps),
+            "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", str(every),
+            "--resume", "auto", "--metrics-path", str(tmp_path / "metrics.json"), *extra]
+    for key, value in OPTIONS.items():
+        args += ["--" + key.replace("_", "-"), str(value)]
+    clean = {k: v for k, v in os.environ.items()
+             if not k.startswith(("TORCH_", "TORCHELASTIC_")) and k not in ("RANK", "MASTER_PORT")}
+    with open(tmp_path / "log", "w") as log:
+        return subprocess.Popen(args, cwd=ROOT, env={**clean, **env}, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def test_a_plain_torchrun_command_resumes_after_kill_9_round_after_round(tmp_path, uninterrupted):
+    """The shared store of torchrun's agent held the dead attempt's keys: 3 of 9 restarts
+    resumed before the process group had its own keys per attempt."""
+    steps, every, rounds, times = 40, 10, 3, []
+    for n in range(rounds):
+        folder = tmp_path / f"round{n}"
+        folder.mkdir()
+        agent = _plain(folder, steps, every)
+        log = folder / "log"
+        try:
+            _wait_for(agent, log, r"step (1[5-9]|[2-3]\d)/40 loss")  # after the first checkpoint
+            victim = _worker(agent, rank=1)
+            assert victim is not None
+            victim.send_signal(signal.SIGKILL)  # our own grandchild, by its PID
+            killed = time.monotonic()
+            resumed = _wait_for(agent, log, r"\(resumed from ")
+            first_step = re.compile(r"step \d+/40 loss")
+            while not first_step.search(log.read_text(), resumed.end()):
+                assert agent.poll() is None and time.monotonic() - killed < 120, log.read_text()[-3000:]
+                time.sleep(0.01)
+            times.append(time.monotonic() - killed)
+            assert _finish(agent) == 0, log.read_text()[-3000:]
+        finally:
+            _kill_session(agent)
+        done, resumed_at = _check_resumed_run(folder, steps, uninterrupted(steps))
+        assert 0 <= done - resumed_at <= every
+    print(f"\nplain torchrun, kill -9 of rank 1: {rounds} of {rounds} rounds resumed; kill to the "
+          f"resumed first step {', '.join(f'{t:.1f}' for t in times)} s")
+
+
+def _descendants_of(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def test_workers_die_with_a_killed_agent(tmp_path):
+    agent = _plain(tmp_path, 100000, 0, "--batch-size", "4")
+    try:
+        _wait_for(agent, tmp_path / "log", r"step \d+/100000 loss")
+        workers = [p for p in _descendants_of(agent.pid) if "dpcourse.train" in " ".join(p.cmdline())]
+        assert len(workers) == 2
+        agent.send_signal(signal.SIGKILL)  # the agent alone, by its PID: not its session
+        agent.wait(timeout=10)
+        gone = time.monotonic()
+        _, alive = psutil.wait_procs(workers, timeout=10)
+        assert not alive, f"workers {[p.pid for p in alive]} outlived their agent"
+        print(f"\nagent killed: its 2 workers gone within {time.monotonic() - gone:.2f} s")
+    finally:
+        _kill_session(agent)
+        for p in _descendants_of(agent.pid):
+            p.kill()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("shared_store", [False, True], ids=["env-store", "agent-store"])
+def test_a_rank_that_cannot_join_fails_within_the_timeout(tmp_path, shared_store):
+    """Rank 1 of 2 alone: rank 0 never comes. Gloo would wait 30 minutes; --pg-timeout 3 fails in ~3 s."""
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCH_", "TORCHELASTIC_"))}
+    env.update(RANK="1", LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="1",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    server = None
+    if shared_store:  # what torchrun's agent gives its workers: its own store, already up
+        server = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+        env.update(TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RUN_ID="test")
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "dpcourse.train", "--pg-timeout", "3", "--steps", "1"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    took = time.monotonic() - start
+    del server
+    assert done.returncode == 3, done.stderr[-2000:]
+    error = done.stderr.strip().splitlines()[-1]
+    if shared_store:
+        assert error.startswith("error: rank 1 waited 3 s for rank 0 to admit it to the process group; "
+                                "is rank 0 started?"), error
+    else:
+        assert error.startswith("error: rank 1 could not join the process group within --pg-timeout 3 s"), error
+        assert error.endswith("Is every rank started, and can it reach MASTER_ADDR:MASTER_PORT?"), error
+    assert f"MASTER_PORT={port}" in error and "WORLD_SIZE=2" in error
+    assert took < 3 + 25, took  # the timeout, plus starting Python and torch on 2 busy cores

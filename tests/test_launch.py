@@ -37,7 +37,7 @@ def _run(args, timeout=120, **env):
     ("torchrun_single_node.sh", dict(NPROC_PER_NODE="4"),
      "{T} --standalone --nproc_per_node=4 --max-restarts=0 -m dpcourse.train --strategy fsdp"),
     ("torchrun_single_node.sh", dict(NPROC_PER_NODE="2", MAX_RESTARTS="3"),
-     "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 {T} --standalone --nproc_per_node=2 --max-restarts=3 "
+     "{T} --standalone --nproc_per_node=2 --max-restarts=3 "
      "-m dpcourse.train --strategy fsdp"),
     ("torchrun_multi_node.sh", dict(NNODES="2", NPROC_PER_NODE="8", RDZV_ENDPOINT="node001:29500", RDZV_ID="j1"),
      "{T} --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=node001:29500 --rdzv_id=j1 "

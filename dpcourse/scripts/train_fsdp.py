@@ -22,6 +22,7 @@ world size) -- and saves the same full, unsharded weights.
 """
 import argparse
 import os
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -49,15 +50,20 @@ def parse_args(argv=None):
 
 
 def setup_distributed():
-    """Join the process group (its address comes from torchrun's environment); return the device."""
+    """Join the process group (its address comes from torchrun's environment); return the device.
+
+    A rank waits at most ``timeout`` for its peers, to join or in a collective (PyTorch's default
+    is 10 minutes for NCCL, 30 for Gloo): a peer that never comes then fails the run, which
+    torchrun --max-restarts can restart, instead of hanging it."""
+    timeout = timedelta(minutes=5)
     if torch.cuda.is_available():
         # One GPU per process: LOCAL_RANK is this process's index on its own machine.
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)  # else every process would put its tensors on GPU 0
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group("nccl", device_id=device, timeout=timeout)
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo")  # NCCL needs GPUs; Gloo runs on CPUs
+        dist.init_process_group("gloo", timeout=timeout)  # NCCL needs GPUs; Gloo runs on CPUs
     return device
 
 

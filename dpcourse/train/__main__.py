@@ -1,5 +1,8 @@
+import os
 import sys
 
-from .runner import main
+PARENT = os.getppid()  # before anything slow: torchrun's agent, whose death this process follows
 
-sys.exit(main())
+from .runner import main  # noqa: E402 -- imports torch
+
+sys.exit(main(parent=PARENT))

@@ -41,6 +41,7 @@ class TrainConfig:
     metrics_path: str | None = None        # CLI only: write per-rank metrics as JSON
     progress: bool = True                  # progress bar on rank 0
     measure: str = ""                      # CLI only: "time", "bytes" or "time,bytes" (metrics)
+    pg_timeout: float = 300.0              # CLI only: seconds a rank waits to join, or in a collective
 
     def validate(self, world_size: int, device_type: str) -> None:
         """Raise ConfigError for anything that would fail (or silently mislead) later."""
@@ -76,6 +77,8 @@ class TrainConfig:
 
     def validate_checkpointing(self) -> None:
         """Checkpoint options: every N >= 0 steps, keep >= 1, resume needs a place to look."""
+        if not self.pg_timeout > 0:
+            raise ConfigError(f"pg_timeout must be > 0 seconds, not {self.pg_timeout}")
         if self.checkpoint_every < 0 or self.keep_checkpoints < 1:
             raise ConfigError(f"checkpoint_every must be >= 0 (0: only at the end) and keep_checkpoints "
                               f">= 1, not {self.checkpoint_every} and {self.keep_checkpoints}")
@@ -148,6 +151,9 @@ HELP = {
     "measure": "what to measure into the metrics, comma-separated: time (seconds per step), "
                "bytes (bytes sent in the last step, by collective, next to the theory); default "
                "%(default)r (nothing: a plain training loop)",
+    "pg_timeout": "seconds a rank waits to join the process group, or for its peers in a collective, "
+                  "before it fails with a message (torchrun --max-restarts can then restart it; "
+                  "PyTorch's default is 30 minutes); default %(default)s",
 }
 CHOICES = {"strategy": tuple(vocab.WRAPPERS), "sharding_strategy": tuple(vocab.SHARDING_STRATEGIES),
            "auto_wrap": vocab.AUTO_WRAP, "mixed_precision": vocab.MIXED_PRECISION,

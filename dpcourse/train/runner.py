@@ -199,12 +199,20 @@ def measured(observers: list) -> dict:
     return out
 
 
-def main(argv=None) -> int:
-    """``python -m dpcourse.train``: run under torchrun (or alone as world size 1)."""
+def main(argv=None, parent: int | None = None) -> int:
+    """``python -m dpcourse.train``: run under torchrun (or alone as world size 1).
+
+    Under torchrun the process dies with its agent (``parent``: the agent's PID, read at
+    start-up), so no worker outlives a killed ``torchrun``."""
     import json
     import os
 
+    from ..pool.rank import set_death_signal
     from .config import ConfigError, parse_args
+    from .join import JoinError, join
+
+    if parent is not None and "TORCHELASTIC_RUN_ID" in os.environ:
+        set_death_signal(parent)
 
     cfg = parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -222,7 +230,11 @@ def main(argv=None) -> int:
     if uses_cuda(backend):
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    dist.init_process_group(backend)
+    try:
+        join(backend, cfg.pg_timeout)  # dist.init_process_group, safe across torchrun's restarts
+    except JoinError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 3
     try:
         with contextlib.ExitStack() as stack:
             for observer in observers:
