@@ -17,7 +17,7 @@ import torch
 from .. import models, scripts
 from .observe import read_log
 from .report import Report
-from .torchrun import torchrun
+from .torchrun import aborted_at_exit, torchrun
 
 WORLD_SIZE = 2
 ARGS = ["--epochs", "2", "--batch-size", "16", "--num-samples", "128", "--out", "model.pt"]
@@ -58,7 +58,8 @@ def _judge(report: Report, run, timeout: float) -> None:
 
 def judge_completion(report: Report, run, logs: list[dict], timeout: float, example: str) -> bool:
     """The first item of a torchrun check; True when the script's work was done."""
-    finished = run.returncode == 0 or aborted_after_finishing(run, logs)
+    destroyed = all(log["destroyed"] for log in logs)
+    finished = run.returncode == 0 or aborted_at_exit(run.returncode, run.output, destroyed)
     if run.timed_out:
         detail = (f"did not finish within {timeout:g} s and was stopped (no process left behind): a rank "
                   f"may wait in a collective the other never calls -- {example}")
@@ -79,14 +80,6 @@ def judge_leaving(report: Report, logs: list[dict], finished: bool) -> None:
                all(log["destroyed"] for log in logs) if finished else None,
                ", ".join(f"rank {r} never called dist.destroy_process_group()"
                          for r, log in enumerate(logs) if not log["destroyed"]))
-
-
-def aborted_after_finishing(run, logs: list[dict]) -> bool:
-    """Every rank returned from ``destroy_process_group`` and torchrun then saw a worker die of
-    SIGABRT: Gloo's teardown racing the interpreter's exit ("terminate called without an
-    active exception"), seen now and then on a loaded machine after the script's work was done."""
-    return (not run.timed_out and run.returncode != 0 and "(SIGABRT)" in run.output
-            and all(log["destroyed"] for log in logs))
 
 
 def _judge_sampling(report: Report, logs: list[dict], finished: bool) -> None:
@@ -207,7 +200,8 @@ def reference_weights(timeout: float = 180.0) -> dict:
         with tempfile.TemporaryDirectory(prefix="dpcourse-reference-a-") as work:
             run = torchrun(scripts.path("train_ddp"), ARGS, work, WORLD_SIZE, timeout)
             logs = [read_log(run.observed, r) for r in range(WORLD_SIZE)]
-            if run.returncode != 0 and not aborted_after_finishing(run, logs):
+            done = all(log["destroyed"] for log in logs)
+            if run.returncode != 0 and not aborted_at_exit(run.returncode, run.output, done):
                 raise RuntimeError(f"the reference solution failed:\n{_tail(run.output)}")
             _reference_cache[key] = torch.load(os.path.join(work, "model.pt"), map_location="cpu")
     return _reference_cache[key]

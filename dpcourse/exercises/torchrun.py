@@ -28,6 +28,24 @@ class Run:
         return self.returncode is None
 
 
+EXIT_ABORT = "terminate called without an active exception"
+
+
+def aborted_at_exit(returncode: int | None, output: str, work_done: bool) -> bool:
+    """Whether torchrun failed only because a worker aborted as Python exited, its work done.
+
+    PyTorch's Gloo teardown can race the interpreter's exit: a Gloo thread still needs the GIL
+    to free the last collective's tensors, is ended inside a C++ destructor, and the process
+    aborts. The one recogniser for it (the checkers and the tests use it) asks for all three:
+    torchrun names a worker ended by SIGABRT; a worker's stderr has the C++ runtime's words
+    for it ("terminate called without an active exception"); and the caller's own evidence
+    that the script's work was done (``work_done``: every rank returned from
+    ``destroy_process_group``, or rank 0 printed its save). A timeout (``None``) never is.
+    """
+    return (returncode not in (0, None) and work_done and "(SIGABRT)" in output
+            and EXIT_ABORT in output)
+
+
 def torchrun(script: str, args: list[str], workdir: str, nproc: int, timeout: float) -> Run:
     """``torchrun --standalone --nproc_per_node=nproc script *args`` in ``workdir``, observed.
 
