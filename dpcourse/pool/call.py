@@ -11,7 +11,7 @@ import time
 
 from .errors import RankDied, RankError, RankReport, RankTimeout
 from .procs import readable
-from .tracker import in_flight
+from .tracker import add_traffic, in_flight
 
 ERROR_GRACE_S = 0.25  # after the first failure, how long other ranks may take to report theirs
 INTERRUPT_GRACE_S = 1.0  # after the stop button, how long ranks may take to unwind
@@ -64,18 +64,21 @@ class Call:
             died = any(r.state == "died" for r in self.reports.values())
             self._fail(RankDied if died else RankError)
         left = self._left_in_flight()
-        if left:  # the call went well, but what it left would meet the next call's code
+        if left:  # the call went well; what it left may be meant for the next call (or not)
             self.cluster._printer.flush()
-            print("dpcourse: the call returned, but " + "; ".join(left) + ". So that the next "
-                  "call starts clean, the ranks were restarted (variables kept on ranks are gone).",
-                  file=sys.stderr)
-            self.cluster._restart()
+            print("dpcourse: the call returned, but " + "; ".join(left) + ". The next call's "
+                  "matching send, receive or collective will meet it; if that is not what you meant, "
+                  "cluster.restart() drops it.", file=sys.stderr)
 
     def _left_in_flight(self) -> list[str]:
-        """Messages or collectives of this call still in flight (every rank has replied)."""
+        """Messages or collectives still in flight once every rank has replied, counted over
+        the calls since the ranks started (a send in one call may meet its receive in the next)."""
         if len(self.traffic) < self.cluster.world_size or None in self.traffic.values():
             return []  # a rank died (restarted anyway), or its traffic is unknown
-        return in_flight(self.traffic)
+        total = add_traffic(self.cluster._carried, self.traffic)
+        left = in_flight(total)
+        self.cluster._carried = total if left else {}
+        return left
 
     def _report(self, rank: int, msg) -> RankReport:
         """What a rank's reply (None: the rank died) says; notes a destroyed process group."""

@@ -85,6 +85,7 @@ class Cluster:
         self._run_id = 0
         self._gen: Generation | None = None
         self._group_lost: set[int] = set()  # ranks whose process group rank code destroyed
+        self._carried: dict = {}  # traffic of earlier calls still in flight (see call.Call)
         self._memory = MemoryWatch()
         self.closed = False
         self._crash_dir = tempfile.mkdtemp(prefix="dpcourse-")
@@ -233,6 +234,7 @@ class Cluster:
         self._gen = None
         self._sent_sources.clear()
         self._group_lost.clear()
+        self._carried = {}
         port = self._master_port or free_ports(1)[0]
         self._gen = self._launcher.spawn(self._spec(port, number), number)
 

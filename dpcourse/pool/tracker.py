@@ -24,9 +24,10 @@ future on Gloo, is asked). Counts start again at every call.
 
 Every call also keeps its *traffic*: the messages each rank sent and received, by peer, and
 the collectives it issued, by process group (``traffic()``). The kernel adds them up over
-the ranks after the call: a message no rank received, a receive nothing matched, or a group
-whose members issued different numbers of collectives is still in flight, and would be
-matched by the next call's code -- so the pool starts fresh ranks instead of keeping them.
+the ranks (and over the calls since the ranks started): a message no rank received, a
+receive nothing matched, or a group whose members issued different numbers of collectives is
+still in flight and would be matched by the next call's code. After a failed call the pool
+then starts fresh ranks instead of keeping them; after a call that returned it says so.
 
 Whoever wants to see every collective a rank issues -- the course's observers -- listens
 (``TRACKER.listen(fn)``): ``fn(Issued(...))`` is called on the issuing thread right after
@@ -371,6 +372,20 @@ def in_flight(traffic: dict[int, dict]) -> list[str]:
             said = ", ".join(f"rank {r} {n}" for r, n in sorted(counts.items()))
             problems.append(f"on {where} the ranks issued different numbers of collectives ({said})")
     return problems
+
+
+def add_traffic(a: dict[int, dict], b: dict[int, dict]) -> dict[int, dict]:
+    """Two calls' traffic (rank -> ``traffic()``) added up, so a message sent in one call and
+    received in the next balances out."""
+    out = {}
+    for rank in set(a) | set(b):
+        out[rank] = {}
+        for kind in ("sent", "received", "collectives"):
+            table = dict(a.get(rank, {}).get(kind, {}))
+            for key, n in b.get(rank, {}).get(kind, {}).items():
+                table[key] = table.get(key, 0) + n
+            out[rank][kind] = table
+    return out
 
 
 def _messages(n: int) -> str:
