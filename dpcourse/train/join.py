@@ -1,7 +1,7 @@
 """Joining the process group under torchrun: restarts that never meet a dead attempt, bounded waits.
 
 ``dist.init_process_group(backend)`` under torchrun reads ``MASTER_ADDR``/``MASTER_PORT``.
-Since PyTorch 2.4 the c10d rendezvous (``--standalone``, ``--rdzv-backend c10d``) points them
+In PyTorch 2.13 the c10d rendezvous (``--standalone``, ``--rdzv-backend c10d``) points them
 at a TCP store that the elastic agent keeps for the whole job (``TORCHELASTIC_USE_AGENT_STORE``):
 every attempt after a restart joins the *same* store, with the same keys. ``rendezvous.py``
 says "We create a new TCPStore for every retry so no need to add prefix for each attempt",
