@@ -140,3 +140,65 @@ def test_two_nodes_with_c10d_rendezvous_repeatedly(tmp_path):
         assert len(ranks) == 2
         for losses in ranks:
             torch.testing.assert_close(losses, reference, rtol=1e-5, atol=1e-6)
+
+
+def test_two_nodes_restart_together_and_resume_though_their_restart_counts_differ(tmp_path):
+    """One node's worker is killed: its agent restarts it (a restart counted); the other agent
+    restarts its worker because a node waits in the rendezvous (not counted, unless its own
+    worker failed first). So TORCHELASTIC_RESTART_COUNT may differ between the nodes (1 and 0)
+    and cannot name the attempt; the runner's join gives both workers the same fresh keys."""
+    import signal
+    import time
+
+    import psutil
+
+    steps, every = 300, 50
+    ckpt = tmp_path / "ckpt"
+    env = dict(NNODES="2", NPROC_PER_NODE="1", RDZV_ENDPOINT=f"127.0.0.1:{free_port()}",
+               RDZV_ID="restart", MAX_RESTARTS="1")
+    out = tmp_path / "metrics.json"
+    args = [str(LAUNCH / "torchrun_multi_node.sh"), "--strategy", "ddp", "--steps", str(steps),
+            "--batch-size", "4", "--checkpoint-dir", str(ckpt), "--checkpoint-every", str(every),
+            "--resume", "auto", "--no-progress", "--metrics-path", str(out)]
+    agents = [subprocess.Popen(args, cwd=ROOT, env=_env(**env), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+              for _ in range(2)]
+
+    def workers():
+        found = {}
+        for node, agent in enumerate(agents):
+            for child in psutil.Process(agent.pid).children(recursive=True):
+                try:
+                    e = child.environ()
+                except (psutil.NoSuchProcess, psutil.AccessDenied):
+                    continue
+                if "RANK" in e and "TORCHELASTIC_RESTART_COUNT" in e:
+                    found[(node, e["TORCHELASTIC_RESTART_COUNT"])] = (child, e["RANK"])
+        return found
+
+    try:
+        deadline = time.monotonic() + 120
+        while not (ckpt.is_dir() and any(p.name.startswith("step-") for p in ckpt.iterdir())):
+            assert time.monotonic() < deadline and all(a.poll() is None for a in agents)
+            time.sleep(0.01)
+        first_attempt = workers()
+        victim = next(p for p, rank in first_attempt.values() if rank == "1")
+        victim.send_signal(signal.SIGKILL)  # our own grandchild, by its PID
+        old = {p.pid for p, _ in first_attempt.values()}
+        counts: dict[int, str] = {}  # node -> the restarted worker's TORCHELASTIC_RESTART_COUNT
+        while len(counts) < 2 and time.monotonic() < deadline and all(a.poll() is None for a in agents):
+            counts.update({node: count for (node, count), (p, _) in workers().items() if p.pid not in old})
+            time.sleep(0.02)
+        logs = [a.communicate(timeout=120)[0] for a in agents]
+    finally:
+        for a in agents:  # our own children, by their Popen handles
+            kill_tree(a)
+    assert [a.returncode for a in agents] == [0, 0], "\n".join(logs)
+    ranks = json.loads(out.read_text())["ranks"]
+    first = ranks[0]["first_step"]
+    assert first >= every and first % every == 0, "the restarted workers did not resume"
+    reference = train_single_process(TrainConfig(steps=steps, batch_size=4), 2)["losses"]
+    for r in ranks:
+        torch.testing.assert_close(r["losses"], reference[first:], rtol=1e-5, atol=1e-6)
+    print(f"\ntwo nodes, kill -9 of rank 1: resumed from step {first}; TORCHELASTIC_RESTART_COUNT "
+          f"of the restarted workers by node: {counts}")
