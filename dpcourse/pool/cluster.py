@@ -54,6 +54,27 @@ def _observers(observe) -> list:
     return observers
 
 
+START_METHODS = ("fork", "spawn")
+
+
+def choose_start_method(start_method: str | None) -> str:
+    """``start_method``, else ``$DPCOURSE_START_METHOD``, else fork where it is safe (Linux)."""
+    import socket
+
+    chosen = start_method or os.environ.get("DPCOURSE_START_METHOD") or (
+        "fork" if sys.platform.startswith("linux") else "spawn")
+    if chosen not in START_METHODS:
+        where = "start_method" if start_method else "DPCOURSE_START_METHOD"
+        raise ClusterError(f"{where}={chosen!r}: choose 'fork' (Linux) or 'spawn' (a fresh interpreter "
+                           "per rank; the default elsewhere)")
+    if not hasattr(socket, "send_fds"):
+        raise ClusterError("the ranks need socket.send_fds to receive their sockets, which this platform "
+                           "lacks (native Windows): run the course in WSL, which is Linux")
+    if chosen == "fork" and not hasattr(os, "fork"):
+        raise ClusterError("this platform cannot fork; use start_method='spawn'")
+    return chosen
+
+
 def resolve_backend(backend: str, world_size: int) -> str:
     """The backend for this machine (``backends.choose_backend``); ClusterError if it cannot serve."""
     try:
@@ -67,11 +88,13 @@ class Cluster:
 
     def __init__(self, world_size: int = 2, backend: str = "auto", *, timeout: float | None = 300.0,
                  num_threads: int | None = None, master_port: int | None = None,
-                 env: dict[str, str] | None = None, start_timeout: float = 120.0):
+                 env: dict[str, str] | None = None, start_timeout: float = 120.0,
+                 start_method: str | None = None):
         global _current
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ClusterError(f"world_size must be a whole number >= 1, not {world_size!r}")
         self.world_size = world_size
+        self.start_method = choose_start_method(start_method)
         self.backend = resolve_backend(backend, world_size)
         if master_port is not None:
             check_port(master_port)
@@ -89,7 +112,8 @@ class Cluster:
         self._memory = MemoryWatch()
         self.closed = False
         self._crash_dir = tempfile.mkdtemp(prefix="dpcourse-")
-        self._launcher = LauncherProcess(start_timeout)
+        self._spare: Generation | None = None  # spawn: the next generation, importing torch already
+        self._launcher = LauncherProcess(start_timeout, self.start_method)
         self._link = RankLink(self._launcher, self._printer, self._memory, self._crash_dir)
         self._finalizer = weakref.finalize(self, _close, self._launcher, self._crash_dir)
         try:
@@ -113,7 +137,8 @@ class Cluster:
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"pids={self.pids}"
-        return f"Cluster(world_size={self.world_size}, backend={self.backend!r}, {state})"
+        return (f"Cluster(world_size={self.world_size}, backend={self.backend!r}, "
+                f"start_method={self.start_method!r}, {state})")
 
     def __enter__(self):
         return self
@@ -199,9 +224,10 @@ class Cluster:
             return
         self.closed = True
         self._printer.flush()
-        if self._gen is not None:
-            self._gen.close()
-            self._gen = None
+        for gen in (self._gen, self._spare):
+            if gen is not None:
+                gen.close()
+        self._gen = self._spare = None
         self._finalizer()  # tells the launcher to kill its ranks and exit; waits for it
 
     # --- starting ranks ------------------------------------------------------------
@@ -236,7 +262,16 @@ class Cluster:
         self._group_lost.clear()
         self._carried = {}
         port = self._master_port or free_ports(1)[0]
-        self._gen = self._launcher.spawn(self._spec(port, number), number)
+        spec = self._spec(port, number)
+        if self.start_method == "fork":
+            self._gen = self._launcher.spawn(spec, number)
+            return
+        spare, self._spare = self._spare, None
+        if spare is None or not self._launcher.alive(spare):
+            if spare is not None:
+                self._launcher.kill(spare)
+            spare = self._launcher.spawn(spec, number)
+        self._gen = self._launcher.activate(spare, spec, number)
 
     def _wait_ready(self) -> None:
         gen = self._gen
@@ -244,6 +279,8 @@ class Cluster:
         deadline = time.monotonic() + self._start_timeout
         while waiting and time.monotonic() < deadline:
             for rank, msg in self._link.poll(gen, waiting, 0.1):
+                if msg is not None and msg[0] == "imported":  # a spawned rank, on its way
+                    continue
                 waiting.discard(rank)
                 if msg is None:
                     errors[rank] = f"rank {rank} {self._link.exit_text(gen, rank)} while starting"
@@ -256,6 +293,9 @@ class Cluster:
             late = [f"rank {r} did not start within {self._start_timeout:g} s" for r in sorted(waiting)]
             raise ClusterError("the ranks could not be started:\n" + "\n".join(late + list(errors.values())))
         gen.ready = True
+        if self.start_method == "spawn" and self._spare is None:
+            # the next generation starts importing torch now, so a restart need not wait for it
+            self._spare = self._launcher.spawn(self._spec(0, -1), -1)
 
     def _ensure_ready(self) -> None:
         """Before a call: notice ranks that died while idle, restart them, finish a restart."""

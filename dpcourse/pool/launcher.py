@@ -1,5 +1,9 @@
 """The launcher: a small parent process, with torch already imported, that forks the ranks.
 
+(Or spawns them: with ``start_method="spawn"`` -- the default where forking a process that
+imported torch is unsafe, macOS -- each rank is a fresh interpreter, started ahead of need
+as a *spare* that imports torch and then waits for its spec on stdin; see ``_spawn_rank``.)
+
 Why a separate parent and not the kernel: forking the kernel is unsafe (CUDA may be
 initialised there; a used intra-op thread pool hangs the child), and spawning fresh
 interpreters costs a full ``import torch`` (2-3 s) every time the ranks are restarted.
@@ -35,11 +39,24 @@ def _fork_rank(spec: dict, rank: int, fds: list[int], inherited: list[int], laun
     os._exit(5)  # not reached
 
 
+def _spawn_rank(rank: int, fds: list[int], launcher_pid: int):
+    """A fresh interpreter for ``rank``: it imports torch, then reads its spec from stdin."""
+    import subprocess
+
+    mine = fds[2 * rank: 2 * rank + 2]
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    code = f"import sys; sys.path.insert(0, {root!r}); from dpcourse.pool.rank import spawned_main; spawned_main()"
+    return subprocess.Popen([sys.executable, "-c", code, str(rank), *map(str, mine), str(launcher_pid)],
+                            pass_fds=mine, stdin=subprocess.PIPE, close_fds=True)
+
+
 class Launcher:
-    def __init__(self, sock: socket.socket):
+    def __init__(self, sock: socket.socket, start_method: str = "fork"):
         self.sock = sock
+        self.start_method = start_method
         self.conn = Connection(os.dup(sock.fileno()))
         self.children: dict[int, int] = {}  # pid -> pidfd (or -1 without pidfd support)
+        self.spawned: dict[int, object] = {}  # pid -> Popen of a spawned rank (reaped here, by PID)
 
     def reap(self) -> list[tuple[int, int]]:
         """Collect exited children; return (pid, wait status) for each."""
@@ -50,11 +67,19 @@ class Launcher:
             except ChildProcessError:
                 done, status = pid, 0
             if done:
-                fd = self.children.pop(pid)
-                if fd >= 0:
-                    os.close(fd)
+                self._forget(pid, status)
                 gone.append((pid, status))
         return gone
+
+    def _forget(self, pid: int, status: int) -> None:
+        fd = self.children.pop(pid)
+        if fd >= 0:
+            os.close(fd)
+        popen = self.spawned.pop(pid, None)
+        if popen is not None:  # reaped by PID here: tell the Popen, so it never waits itself
+            popen.returncode = os.waitstatus_to_exitcode(status) if status else 0
+            if popen.stdin:
+                popen.stdin.close()
 
     def kill(self, pids) -> list[tuple[int, int]]:
         gone = []
@@ -64,9 +89,7 @@ class Launcher:
         for pid in pids:
             if pid in self.children:
                 _, status = os.waitpid(pid, 0)
-                fd = self.children.pop(pid)
-                if fd >= 0:
-                    os.close(fd)
+                self._forget(pid, status)
                 gone.append((pid, status))
         return gone
 
@@ -75,14 +98,27 @@ class Launcher:
         if kind == "spawn":
             spec = msg[1]
             _, fds, _, _ = socket.recv_fds(self.sock, 16, 2 * spec["world_size"])
-            inherited = [self.sock.fileno(), self.conn.fileno()]
-            inherited += [fd for fd in self.children.values() if fd >= 0]
-            pids = [_fork_rank(spec, r, fds, inherited, os.getpid()) for r in range(spec["world_size"])]
+            if self.start_method == "spawn":  # spares: they wait for "activate" and a spec
+                popens = [_spawn_rank(r, fds, os.getpid()) for r in range(spec["world_size"])]
+                pids = [p.pid for p in popens]
+                self.spawned.update(zip(pids, popens))
+            else:
+                inherited = [self.sock.fileno(), self.conn.fileno()]
+                inherited += [fd for fd in self.children.values() if fd >= 0]
+                pids = [_fork_rank(spec, r, fds, inherited, os.getpid()) for r in range(spec["world_size"])]
             for fd in fds:
                 os.close(fd)
             for pid in pids:
                 self.children[pid] = os.pidfd_open(pid) if hasattr(os, "pidfd_open") else -1
             self.conn.send(("spawned", pids))
+        elif kind == "activate":  # spawned spares: here is your spec (a pickled dict)
+            for pid in msg[1]:
+                popen = self.spawned.get(pid)
+                try:
+                    popen.stdin.write(msg[2])
+                    popen.stdin.close()
+                except (AttributeError, OSError):
+                    pass  # it died already: the kernel hears of it as an exit
         elif kind == "signal":
             for pid in msg[2]:
                 if pid in self.children:
@@ -112,6 +148,7 @@ class Launcher:
 
 def main() -> None:
     fd, kernel_pid, arm_death_signal = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
+    start_method = sys.argv[4] if len(sys.argv) > 4 else "fork"
     # Ctrl-C in a terminal or the notebook's stop button must reach the ranks only
     # through the pool (which decides what to interrupt), never directly.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -120,15 +157,16 @@ def main() -> None:
 
         set_death_signal(kernel_pid)
     sock = socket.socket(fileno=fd)
-    # Preload what every rank needs, once: this is what makes restarts cheap.
-    import cloudpickle  # noqa: F401
-    import torch  # noqa: F401
-    import torch.distributed  # noqa: F401
-    import torch.distributed.distributed_c10d  # noqa: F401
+    if start_method == "fork":
+        # Preload what every rank needs, once: this is what makes restarts cheap.
+        import cloudpickle  # noqa: F401
+        import torch  # noqa: F401
+        import torch.distributed  # noqa: F401
+        import torch.distributed.distributed_c10d  # noqa: F401
 
-    from . import rank, wire  # noqa: F401
+        from . import rank, wire  # noqa: F401
 
-    launcher = Launcher(sock)
+    launcher = Launcher(sock, start_method)
     launcher.conn.send(("launcher_ready", os.getpid()))
     launcher.serve()
 

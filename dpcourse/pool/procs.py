@@ -45,6 +45,20 @@ class Generation:
     task: list[Connection]
     control: list[Connection]
     ready: bool = False
+    imported: set = None  # spawned spares: the ranks that have imported torch
+
+    def warm(self) -> bool:
+        """Spawned spares: every rank has imported torch (reads their "imported" notes)."""
+        if self.imported is None:
+            self.imported = set()
+        for rank, conn in enumerate(self.task):
+            try:
+                while rank not in self.imported and conn.poll(0):
+                    if conn.recv()[0] == "imported":
+                        self.imported.add(rank)
+            except (EOFError, OSError):
+                return False
+        return len(self.imported) == len(self.task)
 
     def close(self) -> None:
         for conn in self.task + self.control:
@@ -58,7 +72,8 @@ class LauncherProcess:
     can connect to the pool's control channel (local-only by construction).
     """
 
-    def __init__(self, start_timeout: float):
+    def __init__(self, start_timeout: float, start_method: str = "fork"):
+        self.start_method = start_method
         self.sock, child = socket.socketpair()
         self.conn = Connection(os.dup(self.sock.fileno()))
         self._stderr = tempfile.TemporaryFile()
@@ -66,7 +81,7 @@ class LauncherProcess:
         code = (f"import sys; sys.path.insert(0, {_PACKAGE_ROOT!r}); "
                 "from dpcourse.pool.launcher import main; main()")
         self.popen = subprocess.Popen(
-            [sys.executable, "-c", code, str(child.fileno()), str(os.getpid()), arm],
+            [sys.executable, "-c", code, str(child.fileno()), str(os.getpid()), arm, start_method],
             pass_fds=[child.fileno()], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
             stderr=self._stderr, start_new_session=True)
         child.close()
@@ -120,6 +135,8 @@ class LauncherProcess:
         return msg
 
     def spawn(self, spec: dict, number: int) -> Generation:
+        """Start a generation of ranks. Forked ones start at once; spawned ones are spares (they
+        import torch, then wait) until ``activate`` sends them their spec."""
         n = spec["world_size"]
         pairs = [socket.socketpair() for _ in range(2 * n)]
         self.send(("spawn", spec))
@@ -129,6 +146,20 @@ class LauncherProcess:
         kind, pids = self.recv(30)
         mine = [Connection(p[0].detach()) for p in pairs]
         return Generation(number, pids, mine[0::2], mine[1::2])
+
+    def activate(self, spare: Generation, spec: dict, number: int) -> Generation:
+        """Hand spawned spares their spec: they join the process group as generation ``number``."""
+        import pickle
+
+        self.send(("activate", spare.pids, pickle.dumps(spec)))
+        spare.number = number
+        return spare
+
+    def alive(self, gen: Generation) -> bool:
+        """None of ``gen``'s processes has been reported as exited."""
+        while self.conn.poll(0):
+            self.poll_one()
+        return not any(pid in self.exited for pid in gen.pids)
 
     def signal(self, pids: list[int], signum: int) -> None:
         self.send(("signal", signum, pids))

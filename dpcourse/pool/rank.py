@@ -295,12 +295,32 @@ def _user_stack(stack: str) -> str:
     return "".join('  File "' + b for b in keep)
 
 
-def main(spec: dict, rank: int, task_fd: int, control_fd: int, launcher_pid: int) -> None:
-    """Entry point in the forked child; never returns."""
+def spawned_main() -> None:
+    """Entry point of a spawned rank (``start_method="spawn"``): import torch while a spare,
+    then wait for the spec on stdin (the launcher writes it when the rank is needed)."""
+    rank, task_fd, control_fd, launcher_pid = map(int, sys.argv[1:5])
+    set_death_signal(launcher_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # until it runs calls (setup installs its own)
+    import cloudpickle  # noqa: F401
+    import torch  # noqa: F401
+    import torch.distributed  # noqa: F401
+
+    task = Connection(task_fd)
+    task.send(("imported", rank))  # a warm spare: a restart now takes no import
+    data = sys.stdin.buffer.read()
+    if not data:  # the launcher is gone, or the spare was never needed
+        os._exit(0)
+    main(wire.loads(data), rank, task, control_fd, launcher_pid)
+
+
+def main(spec: dict, rank: int, task, control_fd: int, launcher_pid: int) -> None:
+    """Entry point in the forked (or spawned) child; never returns. ``task``: the task
+    socket's descriptor, or its Connection."""
     code = 0
     try:
         set_death_signal(launcher_pid)
-        task, control = Connection(task_fd), Connection(control_fd)
+        task = task if isinstance(task, Connection) else Connection(task)
+        control = Connection(control_fd)
         worker = Rank(spec, rank, task, control)
         try:
             worker.setup()
