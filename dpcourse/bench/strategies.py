@@ -47,7 +47,7 @@ def add_arguments(parser) -> None:
 
 
 def _kb(x) -> str:
-    return "-" if x is None else f"{x / 1e3:.1f}"
+    return f"{x / 1e3:.1f}" if isinstance(x, (int, float)) else "-"  # None, or the wire not measured
 
 
 def _theory(cfg: TrainConfig, world: int) -> dict | None:

@@ -77,7 +77,7 @@ def torchrun(script: str, args: list[str], workdir: str, nproc: int, timeout: fl
 
 
 def _stop(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
-    """Stop torchrun ``proc`` and every process it started (Linux: found through /proc)."""
+    """Stop torchrun ``proc`` and every process it started (found through /proc, or `ps`)."""
     family = _descendants(proc.pid)
     proc.send_signal(signal.SIGTERM)  # torchrun's agent then terminates its workers
     try:
@@ -91,15 +91,31 @@ def _stop(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
             pass
 
 
-def _descendants(root: int) -> list[int]:
+PROC = "/proc"  # where Linux lists processes; elsewhere `ps` says the same
+
+
+def _parents() -> dict[int, int]:
+    """pid -> parent pid of every process: from /proc where it exists, else from `ps` (macOS)."""
     parents = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                pass
+    if os.path.isdir(PROC):
+        for entry in os.listdir(PROC):
+            if entry.isdigit():
+                try:
+                    with open(f"{PROC}/{entry}/stat") as f:
+                        parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+                except (OSError, ValueError, IndexError):
+                    pass
+        return parents
+    listing = subprocess.run(["ps", "-A", "-o", "pid=,ppid="], capture_output=True, text=True).stdout
+    for line in listing.splitlines():
+        pid, _, ppid = line.strip().partition(" ")
+        if pid.isdigit() and ppid.strip().isdigit():
+            parents[int(pid)] = int(ppid.strip())
+    return parents
+
+
+def _descendants(root: int) -> list[int]:
+    parents = _parents()
     found, frontier = [], [root]
     while frontier:
         children = [pid for pid, ppid in parents.items() if ppid in frontier]

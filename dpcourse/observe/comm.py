@@ -174,10 +174,28 @@ def logical_sent(collective: str, nbytes: int, world_size: int) -> int | None:
         return None
 
 
+class NotMeasured:
+    """What ``Comm.wire`` gives where the wire cannot be read (no ``/proc/self/io``: macOS,
+    Windows): it prints as a sentence, whatever the format, and is false in a test."""
+
+    def __format__(self, spec: str) -> str:
+        text = "not measured on this platform"
+        return format(text, spec.rstrip(",_") if spec and spec[-1] in ",_" else spec) if spec else text
+
+    __repr__ = __str__ = lambda self: "not measured on this platform"  # noqa: E731
+
+    def __bool__(self) -> bool:
+        return False
+
+
+NOT_MEASURED = NotMeasured()
+IO_COUNTERS = "/proc/self/io"  # where a rank reads the bytes it wrote (Linux)
+
+
 def wire_bytes_written() -> int | None:
     """Bytes this process has handed to write calls so far (``wchar``); None off Linux."""
     try:
-        with open("/proc/self/io") as f:
+        with open(IO_COUNTERS) as f:
             for line in f:
                 if line.startswith("wchar:"):
                     return int(line.split()[1])
@@ -304,10 +322,12 @@ class Comm:
                 group[r.collective] = group.get(r.collective, 0) + r.logical_sent
         return out
 
-    def wire(self, rank: int = 0, step: int | None = None) -> int | None:
-        """Bytes ``rank`` wrote to its sockets (and any file) in one step or the whole call."""
+    def wire(self, rank: int = 0, step: int | None = None) -> "int | NotMeasured":
+        """Bytes ``rank`` wrote to its sockets (and any file) in one step or the whole call;
+        ``NOT_MEASURED`` (prints as "not measured on this platform", false) off Linux, where the
+        logical bytes are still counted."""
         wire = self._rank(rank)["wire"]
         if wire is None:
-            return None
+            return NOT_MEASURED
         index = self._step(rank, step)
         return sum(wire) if index is None else wire[index]

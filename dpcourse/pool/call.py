@@ -53,7 +53,6 @@ class Call:
                 break
             if self.timeout is not None and now - start > self.timeout:
                 self._fail(RankTimeout)
-            self.cluster._memory.sample([self.gen.pids[r] for r in self.pending])
             wait_s = 0.05 if self.first_failure else 0.1
             for rank, msg in self.cluster._link.poll(self.gen, self.pending, wait_s):
                 self.pending.discard(rank)

@@ -261,6 +261,7 @@ class Cluster:
         self._sent_sources.clear()
         self._group_lost.clear()
         self._carried = {}
+        self._link.oom_first = True
         port = self._master_port or free_ports(1)[0]
         spec = self._spec(port, number)
         if self.start_method == "fork":
@@ -286,6 +287,8 @@ class Cluster:
                     errors[rank] = f"rank {rank} {self._link.exit_text(gen, rank)} while starting"
                 elif msg[0] == "init_error":
                     errors[rank] = f"rank {rank} failed to start:\n{msg[2]}"
+                else:  # ("ready", rank, pid, whether it could volunteer to the OOM killer)
+                    self._link.oom_first = self._link.oom_first and msg[3]
         self._printer.flush()
         if waiting or errors:
             self._launcher.kill(gen)

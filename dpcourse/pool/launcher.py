@@ -50,6 +50,13 @@ def _spawn_rank(rank: int, fds: list[int], launcher_pid: int):
                             pass_fds=mine, stdin=subprocess.PIPE, close_fds=True)
 
 
+def _peak_bytes(usage) -> int:
+    """A reaped child's peak resident memory (``ru_maxrss``: KiB on Linux, bytes on macOS)."""
+    if usage is None:
+        return 0
+    return usage.ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+
 class Launcher:
     def __init__(self, sock: socket.socket, start_method: str = "fork"):
         self.sock = sock
@@ -58,17 +65,17 @@ class Launcher:
         self.children: dict[int, int] = {}  # pid -> pidfd (or -1 without pidfd support)
         self.spawned: dict[int, object] = {}  # pid -> Popen of a spawned rank (reaped here, by PID)
 
-    def reap(self) -> list[tuple[int, int]]:
-        """Collect exited children; return (pid, wait status) for each."""
+    def reap(self) -> list[tuple[int, int, int]]:
+        """Collect exited children; return (pid, wait status, peak resident bytes) for each."""
         gone = []
         for pid in list(self.children):
             try:
-                done, status = os.waitpid(pid, os.WNOHANG)
+                done, status, usage = os.wait4(pid, os.WNOHANG)
             except ChildProcessError:
-                done, status = pid, 0
+                done, status, usage = pid, 0, None
             if done:
                 self._forget(pid, status)
-                gone.append((pid, status))
+                gone.append((pid, status, _peak_bytes(usage)))
         return gone
 
     def _forget(self, pid: int, status: int) -> None:
@@ -88,9 +95,9 @@ class Launcher:
                 os.kill(pid, signal.SIGKILL)
         for pid in pids:
             if pid in self.children:
-                _, status = os.waitpid(pid, 0)
+                _, status, usage = os.wait4(pid, 0)
                 self._forget(pid, status)
-                gone.append((pid, status))
+                gone.append((pid, status, _peak_bytes(usage)))
         return gone
 
     def handle(self, msg) -> bool:

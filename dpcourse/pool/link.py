@@ -19,6 +19,7 @@ class RankLink:
 
     def __init__(self, launcher: LauncherProcess, printer: RankPrinter, memory: MemoryWatch, crash_dir: str):
         self.launcher, self.printer, self.memory, self.crash_dir = launcher, printer, memory, crash_dir
+        self.oom_first = True  # the ranks volunteer to the OOM killer (False: the platform cannot)
 
     def poll(self, gen: Generation, pending: set[int], timeout: float):
         """Show rank output; yield (rank, message or None if the rank died) from pending ranks."""
@@ -62,7 +63,8 @@ class RankLink:
             if self.launcher.conn.poll(0.02):
                 self.launcher.poll_one()
         status = self.launcher.exited.get(pid)
-        return describe_exit(status) + f" (pid {pid})" + self.memory.kill_hint(pid, status)
+        return (describe_exit(status) + f" (pid {pid})"
+                + self.memory.kill_hint(self.launcher.peaks.get(pid), status, self.oom_first))
 
     def crash_log(self, gen: Generation, rank: int) -> str:
         """What faulthandler wrote when the rank crashed (a segfault's Python stack), if anything."""

@@ -86,6 +86,7 @@ class LauncherProcess:
             stderr=self._stderr, start_new_session=True)
         child.close()
         self.exited: dict[int, int] = {}  # pid -> wait status, reported by the launcher
+        self.peaks: dict[int, int] = {}   # pid -> peak resident bytes (the kernel's ru_maxrss)
         try:
             msg = self.recv(start_timeout)
         except ClusterError:
@@ -130,9 +131,13 @@ class LauncherProcess:
                 f"the launcher process ended ({describe_exit(None) if code is None else code}); "
                 f"create a new Cluster. Its last words:\n{self.stderr_text()}") from err
         if msg[0] == "exited":
-            self.exited.update(dict(msg[1]))
+            self._note_exits(msg[1])
             return None
         return msg
+
+    def _note_exits(self, exits) -> None:
+        for pid, status, peak in exits:
+            self.exited[pid], self.peaks[pid] = status, peak
 
     def spawn(self, spec: dict, number: int) -> Generation:
         """Start a generation of ranks. Forked ones start at once; spawned ones are spares (they
@@ -167,8 +172,8 @@ class LauncherProcess:
     def kill(self, gen: Generation) -> None:
         """SIGKILL and reap a generation's ranks (the launcher is their parent)."""
         self.send(("kill", gen.pids))
-        _, statuses = self.recv(30)
-        self.exited.update(dict(statuses))
+        _, exits = self.recv(30)
+        self._note_exits(exits)
         gen.close()
 
     def close(self, timeout: float = 5.0) -> None:
@@ -204,59 +209,40 @@ def free_ports(n: int) -> list[int]:
 
 
 class MemoryWatch:
-    """Peak resident memory of the ranks, sampled by the kernel during calls (Linux only).
-
-    When a rank dies of SIGKILL that the pool did not send, the likeliest sender is Linux's
-    out-of-memory killer (ranks volunteer as its first choice); the peak says how likely.
+    """Why a rank died of a SIGKILL the pool did not send: likely Linux's out-of-memory killer
+    (ranks volunteer as its first choice) when its peak resident memory was a large share of
+    the machine's. The peak is what the operating system reports when the launcher reaps the
+    rank (``wait4``'s ``ru_maxrss``: Linux and macOS alike), so nothing is sampled meanwhile.
     """
 
-    SAMPLE_EVERY_S = 0.2
     LIKELY_OOM_FRACTION = 0.10  # a peak above this share of physical memory: "likely out of memory"
 
-    def __init__(self):
-        self.peak: dict[int, int] = {}  # pid -> bytes (VmHWM, the kernel's high-water mark)
-        self._last = 0.0
-
-    def sample(self, pids) -> None:
-        now = time.monotonic()
-        if now - self._last < self.SAMPLE_EVERY_S:
-            return
-        self._last = now
-        for pid in pids:
-            hwm = _status_kib(pid, "VmHWM")
-            if hwm is not None:
-                self.peak[pid] = max(self.peak.get(pid, 0), hwm * 1024)
-
-    def kill_hint(self, pid: int, status: int | None) -> str:
+    def kill_hint(self, peak: int | None, status: int | None, oom_first: bool = True) -> str:
         """'' or, after SIGKILL, the rank's peak memory and whether that looks like an OOM kill."""
         if status is None or not os.WIFSIGNALED(status) or os.WTERMSIG(status) != signal.SIGKILL:
             return ""
-        peak = self.peak.get(pid)
         if not peak:
             return ""
-        total = _status_kib(None, "MemTotal", "/proc/meminfo")
+        total = physical_memory()
         text = f" with {_gib(peak)} resident at its peak"
-        if total and peak >= self.LIKELY_OOM_FRACTION * total * 1024:
-            text += (f" ({100 * peak / (total * 1024):.0f} % of this machine's {_gib(total * 1024)}): "
-                     "likely out of memory -- Linux's OOM killer sends SIGKILL, and ranks are its "
-                     "first choice; use a smaller model or batch, or fewer ranks")
+        if total and peak >= self.LIKELY_OOM_FRACTION * total:
+            first = "ranks are its first choice" if oom_first else "the ranks could not volunteer as its first choice here"
+            text += (f" ({100 * peak / total:.0f} % of this machine's {_gib(total)}): likely out of "
+                     f"memory -- the OOM killer sends SIGKILL, and {first}; use a smaller model or "
+                     "batch, or fewer ranks")
         return text
+
+
+def physical_memory() -> int | None:
+    """This machine's physical memory in bytes (POSIX sysconf; None where it cannot say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 def _gib(nbytes: int) -> str:
     return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.0f} MiB"
-
-
-def _status_kib(pid: int | None, field_name: str, path: str | None = None) -> int | None:
-    """A "Name:  123 kB" field of /proc/PID/status (or of ``path``), in KiB; None if unreadable."""
-    try:
-        with open(path or f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith(field_name + ":"):
-                    return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def check_port(port: int) -> None:

@@ -70,7 +70,7 @@ class Rank:
         spec, rank = self.spec, self.rank
         os.environ.update(spec["env"])
         os.environ.update(torchrun_env(rank, spec["world_size"], spec["port"]))
-        prefer_oom_kill()
+        self.oom_first = prefer_oom_kill()
         try:
             os.chdir(spec["cwd"])
         except OSError:
@@ -257,13 +257,18 @@ def _exit_code(exc: SystemExit) -> int:
     return 1
 
 
-def prefer_oom_kill() -> None:
-    """Ask Linux's out-of-memory killer to pick this rank before anything else (Linux only)."""
+OOM_SCORE_FILE = "/proc/self/oom_score_adj"
+
+
+def prefer_oom_kill() -> bool:
+    """Ask Linux's out-of-memory killer to pick this rank before anything else; False where
+    the platform has no such preference (macOS, Windows): a kill hint then says so."""
     try:
-        with open("/proc/self/oom_score_adj", "w") as f:
+        with open(OOM_SCORE_FILE, "w") as f:
             f.write(str(OOM_SCORE_ADJ))
+        return True
     except OSError:
-        pass
+        return False
 
 
 _POOL_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -332,7 +337,7 @@ def main(spec: dict, rank: int, task, control_fd: int, launcher_pid: int) -> Non
                 pass
             task.send(("init_error", rank, text))
             os._exit(3)
-        task.send(("ready", rank, os.getpid()))
+        task.send(("ready", rank, os.getpid(), worker.oom_first))
         worker.serve()
     except BaseException:  # noqa: BLE001
         traceback.print_exc()

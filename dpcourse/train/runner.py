@@ -193,10 +193,15 @@ def measured(observers: list) -> dict:
         if isinstance(observer, Comm):
             steps = observer.per_rank[0]["steps"]
             out["comm"] = {"bytes": observer.bytes(0, -1) if steps else observer.bytes(0),
-                           "wire": observer.wire(0, -1) if steps else observer.wire(0)}
+                           "wire": _measured(observer.wire(0, -1) if steps else observer.wire(0))}
         elif isinstance(observer, Timeline):
             out["step_time_s"] = observer.step_seconds(rank=0)
     return out
+
+
+def _measured(nbytes):
+    """Bytes, or None where the wire is not measured (JSON has no NotMeasured)."""
+    return nbytes if isinstance(nbytes, int) else None
 
 
 def main(argv=None, parent: int | None = None) -> int:
