@@ -92,33 +92,33 @@ def test_batch_isend_irecv(cluster):
 
 
 def from_any_source():
-    """Rank 0 receives one message from every other rank, in whatever order they arrive."""
+    """Rank 0 receives one message from every other rank, in whatever order they arrive:
+    first with blocking recv, then (after a barrier) with irecv."""
     rank, n = dist.get_rank(), dist.get_world_size()
-    if rank != 0:
-        dist.send(torch.tensor([float(rank)]), 0)
-        blocking = None
-    t = torch.zeros(1)
-    senders = []
+    t, senders = torch.zeros(1), []
     if rank == 0:
         for _ in range(n - 1):
-            senders.append((dist.recv(t), t.item()))  # src=None: any rank
-        blocking = sorted(senders)
+            senders.append((dist.recv(t), t.item()))  # src=None: any rank; returns the sender
+    else:
+        dist.send(torch.tensor([float(rank)]), 0)
+    dist.barrier()
     if rank != 0:
         dist.send(torch.tensor([100.0 + rank]), 0)
-        return blocking
+        return None
     works = []
     for _ in range(n - 1):
         buf = torch.zeros(1)
         works.append((dist.irecv(buf), buf))  # irecv(src=None)
     for work, _ in works:
         work.wait()
-    return blocking, sorted(buf.item() for _, buf in works)
+    return sorted(senders), sorted(buf.item() for _, buf in works)
 
 
 def test_receives_from_any_source(cluster):
     n = cluster.world_size
     for values in kept(cluster, from_any_source):
         assert values[0] == ([(r, float(r)) for r in range(1, n)], [100.0 + r for r in range(1, n)])
+        assert values[1:] == [None] * (n - 1)
 
 
 # --- collectives ---------------------------------------------------------------------------
