@@ -26,6 +26,7 @@ import torch
 
 from ..collectives.cost import bus_factor
 from ..pool.tracker import TRACKER, process_group
+from ..torch_private import tensor_version
 from .watch import LoopWatch
 
 # Where S is among a c10d op's arguments: 0, the input; 1, the output (all_gather's input is
@@ -106,7 +107,7 @@ class Completions:
         if output is None:
             return  # nothing to watch: the end stays unknown
         with self._wake:
-            self._pending.append((weakref.ref(output), output._version, fn))
+            self._pending.append((weakref.ref(output), tensor_version(output), fn))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._poll, daemon=True, name="dpcourse-completions")
                 self._thread.start()
@@ -131,7 +132,7 @@ class Completions:
                 done, waiting = [], []
                 for entry in self._pending:
                     tensor = entry[0]()
-                    (done if tensor is None or tensor._version != entry[1] else waiting).append(entry)
+                    (done if tensor is None or tensor_version(tensor) != entry[1] else waiting).append(entry)
                     del tensor
                 self._pending = waiting
             for entry in done:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..torch_private import fsdp1_flat_tensors, fsdp2_param_group
 from .watch import local as _local
 
 ROLE_ORDER = ("parameters", "gradients", "optimizer_state", "bucket_buffers",
@@ -43,14 +44,15 @@ def role_tensors(model: nn.Module, optimizer, buckets=()):
     kind = wrapper_kind(model)
     if kind == "fsdp":
         for flat in fsdp1_flat_params(model):
-            yield "parameters", flat._local_shard
+            inside = fsdp1_flat_tensors(flat)
+            yield "parameters", inside["local_shard"]
             grad = flat.grad
             if grad is not None:  # unsharded between accumulation and the reduce-scatter
-                yield ("gradients" if grad.numel() == flat._local_shard.numel() else "unsharded_gradients"), grad
-            if getattr(flat, "_saved_grad_shard", None) is not None:
-                yield "gradients", flat._saved_grad_shard
-            if getattr(flat, "_full_param_padded", None) is not None:
-                yield "unsharded_parameters", flat._full_param_padded
+                yield ("gradients" if grad.numel() == inside["local_shard"].numel() else "unsharded_gradients"), grad
+            if inside["saved_grad_shard"] is not None:
+                yield "gradients", inside["saved_grad_shard"]
+            if inside["full_param_padded"] is not None:
+                yield "unsharded_parameters", inside["full_param_padded"]
     elif kind == "fully_shard":
         for group in _fsdp2_groups(model):
             for fp in group.fsdp_params:
@@ -92,7 +94,7 @@ def _fsdp2_groups(model):
 
     for module in model.modules():
         if isinstance(module, FSDPModule):
-            group = module._get_fsdp_state()._fsdp_param_group
+            group = fsdp2_param_group(module)
             if group is not None:
                 yield group
 

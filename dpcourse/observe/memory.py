@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from ..torch_private import ddp_has_comm_hook, ddp_logging_data, tree_flatten
 
 from .held import capture_buckets, held_bytes
 from .record import CallRecorder
@@ -51,7 +51,7 @@ def _units(root: nn.Module) -> dict:
 
 def _ddp_bucket_bytes(root: nn.Module) -> int:
     """Bytes of DDP's bucket buffers from its logging data (0 with gradient_as_bucket_view)."""
-    data = root._get_ddp_logging_data()
+    data = ddp_logging_data(root)
     if data.get("gradient_as_bucket_view"):
         return 0
     return sum(int(b) for b in str(data.get("bucket_sizes", "")).split())
@@ -103,7 +103,7 @@ class Memory:
 
         if isinstance(module, DistributedDataParallel) and id(module) not in self._ddp_seen:
             self._ddp_seen.add(id(module))
-            if not module._comm_hooks:  # its own hook would refuse a second one
+            if not ddp_has_comm_hook(module):  # its own hook would refuse a second one
                 self._buckets = capture_buckets(module)
         if module is self._watch.root or self._watch.root is None:
             self._units = _units(module)

@@ -6,7 +6,8 @@
         recorder.knows(model, optimizer)   # ... and says what the model and optimizer are
     recorder.frames(first, last)           # per phase: bytes by category at its end and peak
 
-The counting is PyTorch's ``MemTracker`` (``torch.distributed._tools.mem_tracker``): a
+The counting is PyTorch's ``MemTracker`` (``torch.distributed._tools.mem_tracker``, through
+``dpcourse.torch_private``): a
 dispatch mode that sees every storage an op creates, every ``resize_`` and every free. It is
 entered when the observed call starts, outside any module's forward (its module tracker
 cannot start inside one), so it sees the model and optimizer being created. We add a log of
@@ -25,9 +26,9 @@ class CallRecorder:
     """Logs every storage change with the phase it happened in; files each storage by role."""
 
     def __init__(self):
-        from torch.distributed._tools.mem_tracker import MemTracker
+        from ..torch_private import mem_tracker_class
 
-        class Logging(MemTracker):
+        class Logging(mem_tracker_class()):
             def _update_snap(tracker, u_type, winfo, old_mem_consumed=None, old_reftype=None):
                 super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
                 self._on_change(u_type.name, winfo, old_mem_consumed)

@@ -19,6 +19,8 @@ import weakref
 
 import torch
 
+from ..torch_private import tensor_base
+
 
 class _Saved:
     """What autograd stores instead of the tensor while the hooks are on."""
@@ -52,7 +54,7 @@ class Activations:
         del self._hooks
 
     def _pack(self, t):
-        base = t if t._base is None else t._base  # a Linear saves its weight transposed: a view
+        base = t if tensor_base(t) is None else tensor_base(t)  # a Linear saves its weight transposed: a view
         if base.is_leaf and base.requires_grad:  # a parameter (sharded or gathered): not an activation
             return t
         self._packing = True

@@ -28,7 +28,7 @@ from __future__ import annotations
 import time
 
 import torch
-from torch.utils._pytree import tree_flatten
+from ..torch_private import queue_backward_callback, tree_flatten
 
 from ..pool.tracker import TRACKER
 from .comm import Completions, first_tensor
@@ -117,7 +117,7 @@ class Timeline:
     def _backward_begins(self, name: str) -> None:
         now = time.perf_counter()
         if self._backward_open is None:  # the first layer of this backward
-            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ends)
+            queue_backward_callback(self._backward_ends)
         else:
             self._close_backward(now)
         self._backward_open = (name, now)

@@ -28,6 +28,7 @@ import os
 import sys
 
 from ..backends import uses_cuda
+from ..torch_private import process_groups
 
 # The process group's own timeout. The pool enforces the learner's timeout itself and
 # kills stuck ranks; Gloo's default (30 min) would only get in the way.
@@ -86,7 +87,7 @@ class PoolGroup:
         def destroy_process_group(group=None):
             if dist.is_initialized():
                 if group is None or group == c10d.GroupMember.WORLD:
-                    self.retired.extend(c10d._world.pg_map)  # the default group and every subgroup
+                    self.retired.extend(process_groups())  # the default group and every subgroup
                 else:
                     self.retired.append(group)
             return original_destroy(group)

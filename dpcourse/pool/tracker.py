@@ -42,6 +42,8 @@ import time
 import warnings
 from dataclasses import dataclass
 
+from ..torch_private import below_autograd, boxed_type_name, source_rank
+
 # c10d operator -> the collective's name in torch.distributed (one table for the package:
 # the byte meter, dpcourse.collectives.meter, reads it too).
 C10D_OPS = {
@@ -126,7 +128,7 @@ class CollectiveTracker:
             collectives, any_source = dict(self._collectives), list(self._any_source)
         for gid, work in any_source:
             try:
-                peer = work._source_rank() if work.is_completed() else None
+                peer = source_rank(work) if work.is_completed() else None
             except Exception:
                 peer = None
             received[(gid, peer)] = received.get((gid, peer), 0) + 1
@@ -259,12 +261,10 @@ class CollectiveTracker:
         return tracked
 
     def _kernel(self, op_name: str, collective: str, op):
-        import torch
-
         def tracked(*args, **kwargs):
             number, start = self._enter(collective)
             try:
-                with torch._C._AutoDispatchBelowAutograd():
+                with below_autograd():
                     result = op(*args, **kwargs)
             finally:
                 self._leave()
@@ -322,12 +322,11 @@ def _p2p_args(name: str, args: tuple, kwargs: dict) -> tuple:
 
 def process_group(arg):
     """The ProcessGroup a c10d operator was called with (boxed as a ScriptObject), else None."""
-    import torch
     import torch.distributed as dist
 
     if isinstance(arg, dist.ProcessGroup):
         return arg
-    if isinstance(arg, torch.ScriptObject) and "ProcessGroup" in arg._type().qualified_name():
+    if "ProcessGroup" in boxed_type_name(arg):
         return dist.ProcessGroup.unbox(arg)
     return None
 

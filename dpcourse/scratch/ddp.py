@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..torch_private import queue_backward_callback
 from .bucketed import BucketManager
 
 
@@ -108,7 +109,7 @@ class _DataParallel(nn.Module):
             return  # inside no_sync(): keep accumulating locally
         if not self._callback_queued:
             self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            queue_backward_callback(self._end_of_backward)  # as DDP's reducer does: once backward ends
         self.grad_ready(param)
 
     def _end_of_backward(self) -> None:

@@ -35,8 +35,8 @@ import contextlib
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
 
+from ..torch_private import queue_backward_callback, tree_flatten, tree_map
 from .ddp import broadcast_module
 from .flat import FlatUnit
 
@@ -169,7 +169,7 @@ class MiniFSDP(nn.Module):
         """Before a unit's backward: gather its parameters again (once per backward)."""
         if not self._callback_queued:
             self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            queue_backward_callback(self._end_of_backward)  # once this backward has finished
         if unit.backward_started:
             return
         unit.backward_started = True

@@ -1,0 +1,163 @@
+"""Every private PyTorch name the package uses, in one place, each with why and what to expect.
+
+The course is tested on PyTorch 2.13. Private names (a leading underscore) can move in any
+release, so nothing else in the package touches one: it calls the functions here, which
+raise ``PrivateAPIMissing`` -- "this needs PyTorch 2.13's `...`; you have 2.x" -- instead of
+an AttributeError deep inside a lesson. Where a public API does the job it is used
+instead (none does for the names below, as of 2.13; the public one is named where it
+almost does).
+
+    name                                             used by                   for
+    torch.distributed._tools.mem_tracker.MemTracker  observe.Memory            bytes by category (no public tracker)
+      and its _update_snap (overridden)                                        each change as it happens
+    torch.utils._pytree.tree_flatten / tree_map      observe, scratch.MiniFSDP tensors in nested inputs/outputs
+    DistributedDataParallel._get_ddp_logging_data    observe.Memory            DDP's bucket sizes (public: none)
+    DistributedDataParallel._comm_hooks              observe.Memory            whether a comm hook is registered
+    FlatParameter._local_shard, _saved_grad_shard,   observe.Memory            FSDP1's flat shards, by category
+      _full_param_padded
+    FSDPModule._get_fsdp_state()._fsdp_param_group   observe.Memory            FSDP2's unsharded parameters
+    Variable._execution_engine.queue_callback        observe.Timeline,         run code when backward ends (what
+                                                     scratch DDP/FSDP          DDP's reducer does; public: none)
+    torch._C._AutoDispatchBelowAutograd              pool's tracker            call a c10d operator's own kernel
+    Work._source_rank                                pool's tracker            the sender of an irecv(src=None)
+    distributed_c10d._world.pg_map                   pool's process group      every group a call destroyed
+                                                                               (public: none lists them)
+    ScriptObject._type                               pool's tracker            a boxed ProcessGroup argument
+    Tensor._version, Tensor._base                    observe.Comm, Activations when a collective wrote its output;
+                                                                               a saved view's storage
+
+Exercise E's reference solution, which the learner reads as PyTorch code, writes
+``Variable._execution_engine.queue_callback`` itself, as DDP's own Python code would.
+"""
+from __future__ import annotations
+
+import importlib
+
+TESTED = "2.13"
+
+
+class PrivateAPIMissing(RuntimeError):
+    """A private PyTorch name the course relies on is missing from the installed release."""
+
+
+def _missing(name: str, purpose: str) -> PrivateAPIMissing:
+    import torch
+
+    return PrivateAPIMissing(
+        f"{purpose} needs PyTorch {TESTED}'s `{name}`; you have {torch.__version__}, which moved or "
+        f"removed it. Install the release the course is tested on (pip install torch=={TESTED}.0) "
+        "or report it, naming your release.")
+
+
+def _attribute(module: str, attr: str, purpose: str):
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError):
+        raise _missing(f"{module}.{attr}", purpose) from None
+
+
+def _member(obj, attr: str, name: str, purpose: str):
+    try:
+        return getattr(obj, attr)
+    except AttributeError:
+        raise _missing(name, purpose) from None
+
+
+# --- observers -----------------------------------------------------------------------------
+
+def mem_tracker_class():
+    purpose = "dpc.observe.Memory (bytes by category)"
+    cls = _attribute("torch.distributed._tools.mem_tracker", "MemTracker", purpose)
+    _member(cls, "_update_snap", "MemTracker._update_snap", purpose)  # what the observer overrides
+    return cls
+
+
+def tree_flatten(tree):
+    return _attribute("torch.utils._pytree", "tree_flatten", "finding the tensors in nested values")(tree)
+
+
+def tree_map(fn, tree):
+    return _attribute("torch.utils._pytree", "tree_map", "mapping the tensors in nested values")(fn, tree)
+
+
+def ddp_logging_data(ddp) -> dict:
+    """DDP's own record of its buckets (``bucket_sizes``, ...)."""
+    return _member(ddp, "_get_ddp_logging_data", "DistributedDataParallel._get_ddp_logging_data",
+                   "dpc.observe.Memory (DDP's buckets)")()
+
+
+def ddp_has_comm_hook(ddp) -> bool:
+    return bool(_member(ddp, "_comm_hooks", "DistributedDataParallel._comm_hooks",
+                        "dpc.observe.Memory (DDP's comm hook)"))
+
+
+def fsdp1_flat_tensors(flat) -> dict:
+    """FSDP1's tensors of one FlatParameter: its local shard, a saved gradient shard and the
+    padded unsharded parameter (None where absent)."""
+    purpose = "dpc.observe.Memory (FSDP1's flat shards)"
+    return {"local_shard": _member(flat, "_local_shard", "FlatParameter._local_shard", purpose),
+            "saved_grad_shard": getattr(flat, "_saved_grad_shard", None),
+            "full_param_padded": getattr(flat, "_full_param_padded", None)}
+
+
+def fsdp2_param_group(module):
+    """FSDP2's parameter group of a ``fully_shard``-ed module (None if it holds none)."""
+    purpose = "dpc.observe.Memory (FSDP2's unsharded parameters)"
+    state = _member(module, "_get_fsdp_state", "FSDPModule._get_fsdp_state", purpose)()
+    return _member(state, "_fsdp_param_group", "FSDPState._fsdp_param_group", purpose)
+
+
+def queue_backward_callback(fn) -> None:
+    """Run ``fn`` once the current backward pass has finished (call it during backward)."""
+    import torch
+
+    engine = _member(torch.autograd.Variable, "_execution_engine", "torch.autograd.Variable._execution_engine",
+                     "running code when backward ends")
+    _member(engine, "queue_callback", "Variable._execution_engine.queue_callback",
+            "running code when backward ends")(fn)
+
+
+# --- the pool ------------------------------------------------------------------------------
+
+def below_autograd():
+    """A context in which a c10d operator runs its own kernel, below the tracker's."""
+    import torch
+
+    return _member(torch._C, "_AutoDispatchBelowAutograd", "torch._C._AutoDispatchBelowAutograd",
+                   "the pool's collective tracker")()
+
+
+def boxed_type_name(obj) -> str:
+    """The TorchScript class name of a boxed object ('' if it is not one)."""
+    import torch
+
+    if not isinstance(obj, torch.ScriptObject):
+        return ""
+    return _member(obj, "_type", "ScriptObject._type", "the pool's collective tracker")().qualified_name()
+
+
+def tensor_version(t) -> int:
+    """A tensor's version counter: it moves on every in-place write."""
+    return _member(t, "_version", "Tensor._version", "dpc.observe.Comm (when a collective finished)")
+
+
+def tensor_base(t):
+    """The tensor a view was taken from (None if ``t`` is not a view)."""
+    return _member(t, "_base", "Tensor._base", "dpc.observe.Activations (a saved view's storage)")
+
+
+def source_rank(work) -> int | None:
+    """The sender of a completed ``irecv(src=None)``; None if it cannot say."""
+    try:
+        return work._source_rank()
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def process_groups() -> list:
+    """Every process group that exists now (the default one and every subgroup)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    world = _member(c10d, "_world", "torch.distributed.distributed_c10d._world", "the pool's group keeping")
+    return list(_member(world, "pg_map", "torch.distributed.distributed_c10d._world.pg_map",
+                        "the pool's group keeping"))

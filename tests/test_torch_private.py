@@ -1,0 +1,96 @@
+"""PyTorch's private names live in dpcourse/torch_private.py alone, and each one's absence says so."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+from torch import nn
+
+from dpcourse import torch_private as tp
+
+PACKAGE = Path(__file__).resolve().parent.parent / "dpcourse"
+PRIVATE = re.compile(r"_pytree|_execution_engine|_AutoDispatchBelowAutograd|_source_rank|c10d\._world|"
+                     r"_get_ddp_logging_data|\._comm_hooks|_local_shard|_saved_grad_shard|_full_param_padded|"
+                     r"_get_fsdp_state|_fsdp_param_group|distributed\._tools|\._type\(\)|\._version\b|\._base\b")
+
+
+def test_no_private_pytorch_name_outside_its_one_module():
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        if path.name == "torch_private.py" or "solutions" in path.parts:
+            continue  # exercise solutions are the learner's PyTorch code, as written by hand
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#")[0]
+            if PRIVATE.search(code) and "``" not in code:
+                found.append(f"{path.relative_to(PACKAGE)}:{n}: {line.strip()}")
+    assert not found, "private PyTorch names outside dpcourse/torch_private.py:\n" + "\n".join(found)
+
+
+def _says_missing(name: str, call) -> None:
+    with pytest.raises(tp.PrivateAPIMissing) as err:
+        call()
+    text = str(err.value)
+    assert f"needs PyTorch 2.13's `{name}`; you have {torch.__version__}" in text, text
+    assert "pip install torch==2.13.0" in text
+
+
+def test_each_missing_name_is_named_with_both_releases(monkeypatch):
+    import torch.distributed._tools.mem_tracker as mt
+    import torch.utils._pytree as pytree
+
+    monkeypatch.delattr(mt.MemTracker, "_update_snap")
+    _says_missing("MemTracker._update_snap", tp.mem_tracker_class)
+    monkeypatch.undo()
+    monkeypatch.delattr(mt, "MemTracker")
+    _says_missing("torch.distributed._tools.mem_tracker.MemTracker", tp.mem_tracker_class)
+    monkeypatch.undo()
+    monkeypatch.delattr(pytree, "tree_flatten")
+    _says_missing("torch.utils._pytree.tree_flatten", lambda: tp.tree_flatten([1]))
+    monkeypatch.undo()
+    monkeypatch.delattr(pytree, "tree_map")
+    _says_missing("torch.utils._pytree.tree_map", lambda: tp.tree_map(str, [1]))
+    monkeypatch.undo()
+    monkeypatch.delattr(torch._C, "_AutoDispatchBelowAutograd")
+    _says_missing("torch._C._AutoDispatchBelowAutograd", tp.below_autograd)
+    monkeypatch.undo()
+    monkeypatch.delattr(c10d, "_world")
+    _says_missing("torch.distributed.distributed_c10d._world", tp.process_groups)
+    monkeypatch.undo()
+    monkeypatch.delattr(torch.autograd.Variable, "_execution_engine")
+    _says_missing("torch.autograd.Variable._execution_engine", lambda: tp.queue_backward_callback(lambda: None))
+
+
+def test_objects_without_the_names_say_which():
+    plain = nn.Linear(2, 2)
+    _says_missing("DistributedDataParallel._get_ddp_logging_data", lambda: tp.ddp_logging_data(plain))
+    _says_missing("DistributedDataParallel._comm_hooks", lambda: tp.ddp_has_comm_hook(plain))
+    _says_missing("FSDPModule._get_fsdp_state", lambda: tp.fsdp2_param_group(plain))
+    _says_missing("FlatParameter._local_shard", lambda: tp.fsdp1_flat_tensors(torch.zeros(1)))
+    _says_missing("Tensor._version", lambda: tp.tensor_version(object()))
+    _says_missing("Tensor._base", lambda: tp.tensor_base(object()))
+
+
+def test_a_boxed_object_without_its_type_says_so(monkeypatch):
+    class Boxed:  # stands for a ScriptObject of a release without ScriptObject._type
+        pass
+
+    monkeypatch.setattr(torch, "ScriptObject", Boxed)
+    _says_missing("ScriptObject._type", lambda: tp.boxed_type_name(Boxed()))
+
+
+def test_the_names_work_on_the_tested_release():
+    assert torch.__version__.startswith(tp.TESTED)
+    assert tp.tree_flatten([torch.ones(1), (2, torch.zeros(2))])[0][1] == 2
+    with tp.below_autograd():
+        pass
+    t = torch.zeros(3)
+    before = tp.tensor_version(t)
+    t.add_(1)
+    assert tp.tensor_version(t) == before + 1 and tp.tensor_base(t[1:]) is t and tp.tensor_base(t) is None
+    assert tp.boxed_type_name(t) == "" and tp.source_rank(object()) is None
+    assert not dist.is_initialized() and tp.process_groups() == []
+    assert tp.mem_tracker_class().__name__ == "MemTracker"
