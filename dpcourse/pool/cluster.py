@@ -1,6 +1,7 @@
 """``Cluster``: persistent torch.distributed ranks that run the notebook's functions.
 
     cluster = dpc.Cluster(world_size=4)            # gloo on CPU, nccl with >= 4 GPUs
+    dpc.Cluster(4, start_method="spawn")           # fresh interpreters (the default off Linux)
     cluster.run(fn, *args, timeout=60, **kwargs)   # -> [result of rank 0, rank 1, ...]
     cluster.run(fn, observe=[meter])               # fn runs inside the observers, on every rank
     cluster.shutdown()                             # or: with dpc.Cluster(4) as cluster: ...

@@ -57,6 +57,14 @@ def _peak_bytes(usage) -> int:
     return usage.ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
 
+def _feed(pipe, data: bytes) -> None:
+    try:
+        pipe.write(data)
+        pipe.close()
+    except (OSError, ValueError):
+        pass  # the spare died already (the kernel hears of it as an exit), or was reaped
+
+
 class Launcher:
     def __init__(self, sock: socket.socket, start_method: str = "fork"):
         self.sock = sock
@@ -119,13 +127,12 @@ class Launcher:
                 self.children[pid] = os.pidfd_open(pid) if hasattr(os, "pidfd_open") else -1
             self.conn.send(("spawned", pids))
         elif kind == "activate":  # spawned spares: here is your spec (a pickled dict)
-            for pid in msg[1]:
+            import threading
+
+            for pid in msg[1]:  # written from threads: a spare still importing reads it later
                 popen = self.spawned.get(pid)
-                try:
-                    popen.stdin.write(msg[2])
-                    popen.stdin.close()
-                except (AttributeError, OSError):
-                    pass  # it died already: the kernel hears of it as an exit
+                if popen is not None:
+                    threading.Thread(target=_feed, args=(popen.stdin, msg[2]), daemon=True).start()
         elif kind == "signal":
             for pid in msg[2]:
                 if pid in self.children:
