@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 from torch import nn
 
 from dpcourse import torch_private as tp
@@ -38,30 +37,31 @@ def _says_missing(name: str, call) -> None:
     assert "pip install torch==2.13.0" in text
 
 
-def test_each_missing_name_is_named_with_both_releases(monkeypatch):
-    import torch.distributed._tools.mem_tracker as mt
-    import torch.utils._pytree as pytree
+def _owner(path: str):
+    """The module or class a private name hangs on, e.g. "torch.utils._pytree" or "torch._C"."""
+    import importlib
 
-    monkeypatch.delattr(mt.MemTracker, "_update_snap")
-    _says_missing("MemTracker._update_snap", tp.mem_tracker_class)
-    monkeypatch.undo()
-    monkeypatch.delattr(mt, "MemTracker")
-    _says_missing("torch.distributed._tools.mem_tracker.MemTracker", tp.mem_tracker_class)
-    monkeypatch.undo()
-    monkeypatch.delattr(pytree, "tree_flatten")
-    _says_missing("torch.utils._pytree.tree_flatten", lambda: tp.tree_flatten([1]))
-    monkeypatch.undo()
-    monkeypatch.delattr(pytree, "tree_map")
-    _says_missing("torch.utils._pytree.tree_map", lambda: tp.tree_map(str, [1]))
-    monkeypatch.undo()
-    monkeypatch.delattr(torch._C, "_AutoDispatchBelowAutograd")
-    _says_missing("torch._C._AutoDispatchBelowAutograd", tp.below_autograd)
-    monkeypatch.undo()
-    monkeypatch.delattr(c10d, "_world")
-    _says_missing("torch.distributed.distributed_c10d._world", tp.process_groups)
-    monkeypatch.undo()
-    monkeypatch.delattr(torch.autograd.Variable, "_execution_engine")
-    _says_missing("torch.autograd.Variable._execution_engine", lambda: tp.queue_backward_callback(lambda: None))
+    module, _, cls = path.partition(":")
+    owner = importlib.import_module(module)
+    return getattr(owner, cls) if cls else owner
+
+
+@pytest.mark.parametrize("owner, attr, name, call", [
+    ("torch.distributed._tools.mem_tracker:MemTracker", "_update_snap", "MemTracker._update_snap",
+     tp.mem_tracker_class),
+    ("torch.distributed._tools.mem_tracker", "MemTracker", "torch.distributed._tools.mem_tracker.MemTracker",
+     tp.mem_tracker_class),
+    ("torch.utils._pytree", "tree_flatten", "torch.utils._pytree.tree_flatten", lambda: tp.tree_flatten([1])),
+    ("torch.utils._pytree", "tree_map", "torch.utils._pytree.tree_map", lambda: tp.tree_map(str, [1])),
+    ("torch._C", "_AutoDispatchBelowAutograd", "torch._C._AutoDispatchBelowAutograd", tp.below_autograd),
+    ("torch.distributed.distributed_c10d", "_world", "torch.distributed.distributed_c10d._world",
+     tp.process_groups),
+    ("torch.autograd:Variable", "_execution_engine", "torch.autograd.Variable._execution_engine",
+     lambda: tp.queue_backward_callback(lambda: None)),
+], ids=lambda v: v if isinstance(v, str) and "." not in v and ":" not in v else None)
+def test_each_missing_name_is_named_with_both_releases(monkeypatch, owner, attr, name, call):
+    monkeypatch.delattr(_owner(owner), attr)
+    _says_missing(name, call)
 
 
 def test_objects_without_the_names_say_which():
