@@ -77,7 +77,7 @@ def test_b_reference_passes_and_prints_no_judged_value(b_reference):
     for numbers in predicted.values():
         for value in numbers.values():
             assert f"{round(value):,}" not in shown and str(round(value)) not in shown
-    assert "per step" in report.note and "collective" in report.note  # the speed, explained
+    assert "fastest step took" in report.note and "collective" in report.note  # the speed, explained
 
 
 def test_b_independent_set_ups_and_predictions_pass(cluster2):
@@ -121,6 +121,34 @@ def test_b_each_mistake_fails_with_its_item_named(cluster2, mistake, edits, fail
     report = dpc.exercises.check_b(*define(source, "wrap_ddp", "wrap_fsdp", "predicted", "faster"), cluster=cluster2)
     bad = item(report, failing)
     assert bad.status == "fail" and words in bad.detail, str(report)
+
+
+def test_b_speed_is_judged_on_the_fastest_steps_and_a_near_tie_takes_either_answer():
+    judge = exercise_b._judge_faster
+    clear = {"ddp": 0.020, "fsdp": 0.070}
+    assert judge("ddp", clear) == (True, "as measured; the note below says why")
+    ok, detail = judge("fsdp", clear)
+    assert not ok and "DDP's steps took less time" in detail
+    assert judge("ddp", {"ddp": 0.070, "fsdp": 0.020})[0] is False and judge("fsdp", {"ddp": 0.070, "fsdp": 0.020})[0]
+    tie = {"ddp": 0.050, "fsdp": 0.055}
+    assert all(judge(answer, tie)[0] and "too close to call" in judge(answer, tie)[1] for answer in ("ddp", "fsdp"))
+    assert judge("DDP", clear)[0] is False and judge(..., clear)[0] is None and judge("ddp", {"ddp": 0.02})[0] is None
+    timeline = dpc.observe.Timeline()
+    timeline.per_rank = [{"step_s": [0.9, 0.04, 0.03, 0.2]}]  # a warm-up step, then one disturbed by other work
+    assert exercise_b._fastest_step(timeline) == 0.03
+
+
+def test_b_a_close_call_is_timed_again_and_either_answer_holds(cluster2, monkeypatch):
+    monkeypatch.setattr(exercise_b, "CLEAR", 1e6)  # every pair of set-ups a near tie
+    wrap_ddp, wrap_fsdp, predicted, _ = define(B, "wrap_ddp", "wrap_fsdp", "predicted", "faster")
+    runs = []
+    real = exercise_b.run_or_failure
+    monkeypatch.setattr(exercise_b, "run_or_failure", lambda *a, **k: runs.append(a[2]) or real(*a, **k))
+    report = dpc.exercises.check_b(wrap_ddp, wrap_fsdp, predicted, "fsdp", cluster=cluster2)
+    assert runs == [wrap_ddp, wrap_fsdp, wrap_ddp, wrap_fsdp], runs
+    speed = item(report, "prediction: the faster set-up")
+    assert report.passed and "too close to call" in speed.detail, str(report)
+    assert "does not separate them" in report.note
 
 
 def test_b_untouched_starter_is_not_attempted():

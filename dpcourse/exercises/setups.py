@@ -15,12 +15,12 @@ STEPS, BATCH, LR = 3, 8, 1e-3   # Adam steps, samples per rank per step, learnin
 WEIGHTS_ATOL = 1e-5            # fp32 data parallelism reproduces one process to float rounding
 
 
-def config(sizes: dict, world_size: int) -> TrainConfig:
-    return TrainConfig(model="mlp", model_sizes=dict(sizes), batch_size=BATCH, steps=STEPS, optimizer="adam",
-                       lr=LR, num_samples=BATCH * STEPS * world_size, progress=False)
+def config(sizes: dict, world_size: int, steps: int = STEPS) -> TrainConfig:
+    return TrainConfig(model="mlp", model_sizes=dict(sizes), batch_size=BATCH, steps=steps, optimizer="adam",
+                       lr=LR, num_samples=BATCH * steps * world_size, progress=False)
 
 
-def train_wrapped(wrap, sizes: dict):
+def train_wrapped(wrap, sizes: dict, steps: int = STEPS):
     """On each rank: the runner's training of the MLP, wrapped by the learner's ``wrap``.
     Returns the full weights (on rank 0; None elsewhere) and the API the wrapping used:
     "fsdp2", "fsdp1" or "other"."""
@@ -33,16 +33,16 @@ def train_wrapped(wrap, sizes: dict):
                             "end it with `return model` (or the wrapper it built)")
         return wrapped
 
-    metrics = train(config(sizes, dist.get_world_size()), full_state=True, wrap=checked)
+    metrics = train(config(sizes, dist.get_world_size(), steps), full_state=True, wrap=checked)
     applied = metrics["applied"]
     api = ("fsdp1" if applied.startswith("FullyShardedDataParallel") else
            "fsdp2" if applied.startswith("FSDP") else "other")
     return {"weights": metrics["state"], "api": api}
 
 
-def one_process(sizes: dict, world_size: int) -> dict:
+def one_process(sizes: dict, world_size: int, steps: int = STEPS) -> dict:
     """The same training in this process, on the whole global batches."""
-    return train_single_process(config(sizes, world_size), world_size)["state"]
+    return train_single_process(config(sizes, world_size, steps), world_size)["state"]
 
 
 def weights_verdict(results: list[dict], reference: dict) -> tuple[bool, str]:
