@@ -118,6 +118,16 @@ def test_exit_codes_hangs_and_errors_of_scripts(cluster2, tmp_path):
     assert info.value.failures[1].summary == "exited with code 3" and 0 not in info.value.failures
     assert cluster2.run(lambda: dist.get_rank()) == [0, 1]
 
+    # os._exit ends the process under torchrun; on the ranks it ends the script, not the rank
+    hard = tmp_path / "hard_exit.py"
+    hard.write_text("import os, sys\nprint('before', flush=True)\nos._exit(3 if os.environ['RANK'] == '1' else 0)\n"
+                    "print('never')\n")
+    pids = cluster2.pids
+    with pytest.raises(dpc.RankError) as info:
+        cluster2.run_script(hard)
+    assert info.value.failures[1].summary == "exited with code 3" and 0 not in info.value.failures
+    assert cluster2.run(lambda: (os.getpid(), os._exit.__module__)) == [(pid, "posix") for pid in pids]
+
     hangs = tmp_path / "hangs.py"
     hangs.write_text(textwrap.dedent('''
         import torch, torch.distributed as dist

@@ -184,7 +184,8 @@ class Cluster:
         MASTER_PORT on a fresh port, TORCHELASTIC_RUN_ID, ...) and *no* process group: the
         script calls ``init_process_group`` and ``destroy_process_group`` itself, so the
         same file runs unchanged under torchrun. Afterwards the cluster's own group is back.
-        A rank that raises, or exits with a non-zero code (``sys.exit(3)``), raises RankError.
+        A rank that raises, or exits with a non-zero code (``sys.exit(3)``, ``os._exit(3)``: the
+        script ends, the rank stays), raises RankError.
         observe: observers around the whole script, as in ``run``.
         """
         __tracebackhide__ = True

@@ -25,6 +25,8 @@ from .group import PoolGroup, torchrun_env
 from .output import OutputForwarder
 from .tracker import TRACKER
 
+_exit = os._exit  # the process's own exit: a script's os._exit is caught while it runs (_exec_script)
+
 # Out-of-memory killer preference, -1000 (never) .. 1000 (first). A rank that allocates too
 # much should be the one Linux kills, not the learner's kernel or JupyterLab.
 OOM_SCORE_ADJ = 1000
@@ -41,7 +43,7 @@ def set_death_signal(expected_parent: int) -> None:
         PR_SET_PDEATHSIG = 1
         armed = libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL) == 0
     if os.getppid() != expected_parent:  # the parent died before the signal was armed
-        os._exit(1)
+        _exit(1)
     if not armed:
         threading.Thread(target=_watch_parent, args=(expected_parent,), name="dpcourse-parent",
                          daemon=True).start()
@@ -52,7 +54,7 @@ def _watch_parent(parent: int) -> None:
 
     while os.getppid() == parent:
         time.sleep(0.5)
-    os._exit(1)
+    _exit(1)
 
 
 class Rank:
@@ -106,14 +108,14 @@ class Rank:
             try:
                 self.control.send_bytes(data)
             except OSError:
-                os._exit(0)  # the kernel is gone
+                _exit(0)  # the kernel is gone
 
     def _serve_control(self) -> None:
         while True:
             try:
                 msg = self.control.recv()
             except (EOFError, OSError):
-                os._exit(0)  # the kernel died: never outlive it
+                _exit(0)  # the kernel died: never outlive it
             if msg[0] == "status":
                 self.send_control(("status", self.status()))
 
@@ -129,7 +131,7 @@ class Rank:
             try:
                 data = self.task.recv_bytes()
             except (EOFError, OSError):
-                os._exit(0)
+                _exit(0)
             kind, run_id, payload = wire.loads(data)
             reply = self.execute(kind, run_id, payload)
             self.output.drain()
@@ -224,12 +226,14 @@ class Rank:
         main = types.ModuleType("__main__")  # what `python path` makes: pickle finds its classes
         main.__file__, main.__builtins__ = path, __builtins__
         saved_main, sys.modules["__main__"] = sys.modules["__main__"], main
+        os._exit = _script_exit  # under torchrun it ends the process; here it ends the script
         try:
             with self.group.script(path, argv, port, reinit_port):
                 exec(code, main.__dict__)
         except SystemExit as exc:
             return _exit_code(exc)
         finally:
+            os._exit = _exit
             sys.modules["__main__"] = saved_main
             self.output.drain()
         return 0
@@ -245,6 +249,12 @@ def observing(observers: list):
             stack.enter_context(observer)
         yield observed
     observed.extend(observer.result() for observer in observers)
+
+
+def _script_exit(code: int) -> None:
+    """``os._exit`` while a script runs on a rank: the script ends with ``code``, as its process
+    would under torchrun, and the rank lives on for the next call."""
+    raise SystemExit(int(code))
 
 
 def _exit_code(exc: SystemExit) -> int:
@@ -314,7 +324,7 @@ def spawned_main() -> None:
     task.send(("imported", rank))  # a warm spare: a restart now takes no import
     data = sys.stdin.buffer.read()
     if not data:  # the launcher is gone, or the spare was never needed
-        os._exit(0)
+        _exit(0)
     main(wire.loads(data), rank, task, control_fd, launcher_pid)
 
 
@@ -336,11 +346,11 @@ def main(spec: dict, rank: int, task, control_fd: int, launcher_pid: int) -> Non
             except Exception:
                 pass
             task.send(("init_error", rank, text))
-            os._exit(3)
+            _exit(3)
         task.send(("ready", rank, os.getpid(), worker.oom_first))
         worker.serve()
     except BaseException:  # noqa: BLE001
         traceback.print_exc()
         code = 4
-    os._exit(code)
+    _exit(code)
 
