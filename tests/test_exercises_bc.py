@@ -133,6 +133,9 @@ def test_b_speed_is_judged_on_the_fastest_steps_and_a_near_tie_takes_either_answ
     tie = {"ddp": 0.050, "fsdp": 0.055}
     assert all(judge(answer, tie)[0] and "too close to call" in judge(answer, tie)[1] for answer in ("ddp", "fsdp"))
     assert judge("DDP", clear)[0] is False and judge(..., clear)[0] is None and judge("ddp", {"ddp": 0.02})[0] is None
+    text = "".join("".join(c.source) for c in nbformat.read(NOTEBOOKS / "B-ddp-vs-fsdp.ipynb", as_version=4).cells)
+    assert f"within {round((exercise_b.CLEAR - 1) * 100)} % of each other, either answer holds" in text.replace("\n", " ")
+    assert f"for {exercise_b.STEPS} steps" in text
     timeline = dpc.observe.Timeline()
     timeline.per_rank = [{"step_s": [0.9, 0.04, 0.03, 0.2]}]  # a warm-up step, then one disturbed by other work
     assert exercise_b._fastest_step(timeline) == 0.03

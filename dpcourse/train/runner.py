@@ -256,8 +256,8 @@ def main(argv=None, parent: int | None = None) -> int:
         # agents on different "nodes" tear down while peers still talk (seen as SIGABRT).
         dist.barrier()
         # The model and optimizer sit in reference cycles (module hooks) that hold the process
-        # group; left to the interpreter's teardown, the group's threads are destroyed out of
-        # order and a rank can abort at exit ("terminate called without an active exception").
+        # group: free them while every rank is still here. Gloo's worker threads can still
+        # outlive the group (see __main__.py, which leaves without Python's shutdown).
         gc.collect()
         dist.destroy_process_group()
     return 0
