@@ -184,8 +184,8 @@ def _explain(measured, fastest: dict) -> str:
         summary = timeline.summary(rank=0)
         calls = sum(comm.calls(rank=0, step=-1).values())
         sent[key] = sum(comm.bytes(rank=0, step=-1).values())
-        parts.append(f"{NAMES[key]}'s fastest step took {fastest[key] * 1e3:.1f} ms, with {calls} collective(s) "
-                     f"and {summary['exposed_s'] * 1e3:.1f} ms of communication no compute hid")
+        parts.append(f"{NAMES[key]}'s fastest step took {fastest[key] * 1e3:.1f} ms; its last one issued {calls} "
+                     f"collective(s), with {summary['exposed_s'] * 1e3:.1f} ms of communication no compute hid")
     more = f"{sent['fsdp'] / sent['ddp']:.1f} times DDP's bytes" if sent["ddp"] else "more bytes than DDP"
     head = "Measured on rank 0, after the first step: " + "; ".join(parts) + ". "
     tail = (" On GPUs with large layers, FSDP prefetches the next unit's gather while the current one "
