@@ -7,6 +7,8 @@
     dpc.exercises.check_d(ring_reduce_scatter, ring_all_gather)   # on 2-5 real ranks
     dpc.exercises.check_e(MyBucketedDDP)               # next to torch DDP on 2 ranks
     dpc.exercises.check_answer("4.1", 3, {...})        # the chapters' self-check questions
+    dpc.exercises.check_answer("4.2a", "no_sync", accumulate, cluster)   # a try-it cell, on the ranks
+    report.fix()                                       # a failed check's reference, on request
     dpc.exercises.check_b(wrap_ddp, wrap_fsdp, predicted, faster)   # set-ups and predictions
     dpc.exercises.check_c(configs, predicted)          # four FSDP configurations, three orderings
 """
@@ -26,16 +28,21 @@ SOLUTION_FILES = {"B": "setups_b.py", "C": "configs_c.py", "D": "ring_d.py", "E"
 
 
 def solution(exercise: str) -> str:
-    """The reference solution of ``exercise`` ("A" to "F"), as source text (print it to read it)."""
+    """The reference solution of ``exercise`` ("A" to "F", or a try-it's name such as
+    "no_sync"), as source text (print it to read it)."""
     from .. import scripts
+    from . import tryits
 
     key = exercise.upper()
+    if exercise in tryits.load_all():
+        return tryits.reference(exercise)
     if key in SOLUTION_FILES:
         path = os.path.join(os.path.dirname(__file__), "solutions", SOLUTION_FILES[key])
     elif key in SOLUTIONS:
         path = scripts.path(SOLUTIONS[key])
     else:
-        raise ValueError(f"no exercise {exercise!r}; choose one of {sorted({**SOLUTIONS, **SOLUTION_FILES})}")
+        raise ValueError(f"no exercise {exercise!r}; choose one of {sorted({**SOLUTIONS, **SOLUTION_FILES})} "
+                         f"or a try-it: {', '.join(sorted(tryits.load_all()))}")
     with open(path) as f:
         return f.read()
 

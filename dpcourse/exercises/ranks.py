@@ -12,8 +12,10 @@ again after a failure has restarted the ranks, with a generous timeout of its ow
 """
 from __future__ import annotations
 
+import ast
 import contextlib
 import inspect
+import textwrap
 import types
 from dataclasses import dataclass
 
@@ -25,18 +27,36 @@ def _code_blanks(code: types.CodeType) -> int:
                for c in code.co_consts)
 
 
-def blanks_in(obj) -> int:
-    """Number of ``...`` values in a function's code, or in the methods a class defines itself.
+def _source_blanks(obj) -> int | None:
+    """``...`` placeholders in ``obj``'s source (None: no source to read). Counts bare ``...``
+    statements too, which compile away; an ``x[..., 0]`` index is not a placeholder."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(obj)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    indices = {id(n.slice) for n in ast.walk(tree) if isinstance(n, ast.Subscript)}
+    indices |= {id(e) for n in ast.walk(tree) if isinstance(n, ast.Tuple) and id(n) in indices for e in n.elts}
+    return sum(1 for n in ast.walk(tree)
+               if isinstance(n, ast.Constant) and n.value is Ellipsis and id(n) not in indices)
 
-    A starter writes its blanks as values (``send_c = ...``): Python keeps those in the
-    code's constants, so an untouched starter is recognised without running it. (A bare
-    ``...`` statement is compiled away and cannot be counted.)
+
+def blanks_in(obj) -> int:
+    """Number of ``...`` placeholders left in a function, or in the methods a class defines itself.
+
+    Read from the source where there is one (a notebook's cells have it): a bare ``...``
+    statement counts. Without source, from the code's constants: a starter that writes its
+    blanks as values (``send_c = ...``) is still recognised, a bare ``...`` is compiled away.
     """
+    if isinstance(obj, (staticmethod, classmethod)):
+        obj = obj.__func__
+    # a lambda's source is its whole line, which may hold other lambdas: read its code instead
+    if (inspect.isfunction(obj) and obj.__name__ != "<lambda>") or isinstance(obj, type):
+        from_source = _source_blanks(obj)
+        if from_source is not None:
+            return from_source
     if isinstance(obj, type):
         return sum(blanks_in(v) for v in vars(obj).values()
                    if inspect.isfunction(v) or isinstance(v, (staticmethod, classmethod)))
-    if isinstance(obj, (staticmethod, classmethod)):
-        obj = obj.__func__
     code = getattr(obj, "__code__", None)
     return _code_blanks(code) if code is not None else 0
 

@@ -24,12 +24,14 @@ class Item:
 class Report:
     """A checker's verdict. ``attempted`` is False for an untouched starter (nothing is judged).
 
-    title: what was checked, e.g. "Exercise A" or "Self-check 4.1, question 3"."""
+    title: what was checked, e.g. "Exercise A" or "Self-check 4.1, question 3". key: the name
+    ``dpc.exercises.solution`` knows its reference by ("A", "no_sync", ...), if it has one."""
 
     title: str
     items: list[Item] = field(default_factory=list)
     attempted: bool = True
     note: str = ""
+    key: str = ""
 
     @property
     def passed(self) -> bool:
@@ -41,6 +43,14 @@ class Report:
         item = Item(name, status, detail)
         self.items.append(item)
         return item
+
+    def fix(self) -> "Reference":
+        """The reference solution, on request: the first report names the behaviour, not the line."""
+        if not self.key:
+            raise ValueError(f"{self.title} has no reference solution to show")
+        from . import solution
+
+        return Reference(solution(self.key))
 
     def verdict(self) -> str:
         if not self.attempted:
@@ -69,3 +79,10 @@ class Report:
         table = f"<table>{rows}</table>" if rows else ""
         note = f"<p>{html.escape(self.note)}</p>" if self.note and self.attempted else ""
         return f"<p><b>{html.escape(self.verdict())}</b></p>{table}{note}"
+
+
+class Reference(str):
+    """Source text that a notebook shows as code, not as a quoted string."""
+
+    def __repr__(self) -> str:
+        return str(self)

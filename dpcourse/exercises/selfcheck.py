@@ -101,8 +101,16 @@ QUESTIONS: dict[tuple[str, int], Question] = {
 }
 
 
-def check_answer(chapter: str, number: int, answer) -> Report:
-    """Mark the answer to question ``number`` of chapter ``chapter`` ("4.1" or "4.2"), field by field."""
+def check_answer(chapter: str, number: int | str, answer, cluster=None) -> Report:
+    """Mark the answer to question ``number`` of chapter ``chapter`` ("4.1" or "4.2"), field by field.
+
+    A try-it cell's check passes the try-it's name as ``number`` ("no_sync"), what the cell
+    defines as ``answer`` and the notebook's ``cluster``: the answer runs on its ranks
+    (``dpcourse.exercises.tryits``)."""
+    if isinstance(number, str):
+        from . import tryits
+
+        return tryits.check(chapter, number, answer, cluster)
     key = (str(chapter), int(number))
     if key not in QUESTIONS:
         known = ", ".join(f"{c} #{n}" for c, n in sorted(QUESTIONS))

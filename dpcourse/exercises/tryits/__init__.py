@@ -1,0 +1,90 @@
+"""Try-it cells: the learner writes the API a chapter just showed, for a variation the chapter
+did not show; a check on the ranks says within seconds, item by item, what the code did.
+
+In a chapter, after the demonstration of an API:
+
+    def accumulate(ddp_model, micro_batches, loss_fn):      # the try-it cell (tag ``try-it``):
+        ...                                                  # blanks written as ``x = ...``
+    dpc.exercises.check_answer("4.2a", "no_sync", accumulate, cluster)   # the next cell
+
+Each try-it is registered here by name, with its chapter and its checker. Its reference is
+the file ``solutions/tryits/<name>.py``, which is also the try-it cell's
+``metadata["dpcourse"]["solution"]`` (a test keeps the two equal);
+``dpc.exercises.solution("no_sync")`` shows it, on request only. A check's failed items name
+the behaviour and the idea it touches ("4 all-reduces ran for 4 micro-batches: ..."), never
+the expected value or the line that fixes it. A starter still holding a ``...`` is "not
+attempted yet"; a rank that raises or hangs is a failed item, and the cluster stays usable.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+from ..ranks import blanks_in
+from ..report import Report
+
+# the module of checkers for each chapter (imported when one of its try-its is checked)
+MODULES = {"4.2a": "ddp", "4.2b": "fsdp", "4.2c": "large_models", "4.2d": "pitfalls"}
+SOLUTIONS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "solutions", "tryits")
+
+
+@dataclass
+class TryIt:
+    """One try-it: ``check(answer, cluster) -> Report`` judges the learner's ``answer`` (what the
+    cell defines: a function, usually) on ``cluster``'s ranks; ``asks`` says what the cell asks
+    for, in a few words (the report's title)."""
+
+    name: str
+    chapter: str
+    asks: str
+    check: Callable
+
+
+TRY_ITS: dict[str, TryIt] = {}
+
+
+def try_it(name: str, chapter: str, asks: str):
+    """Register the decorated ``check(answer, cluster) -> Report`` as try-it ``name``."""
+    def register(check):
+        TRY_ITS[name] = TryIt(name, chapter, asks, check)
+        return check
+    return register
+
+
+def load_all() -> dict[str, TryIt]:
+    """Every try-it of every chapter, by name."""
+    for module in MODULES.values():
+        importlib.import_module(f"{__name__}.{module}")
+    return TRY_ITS
+
+
+def reference(name: str) -> str:
+    """The reference of try-it ``name``: the try-it cell as the course's author filled it."""
+    path = os.path.join(SOLUTIONS, f"{name}.py")
+    if not os.path.exists(path):
+        raise ValueError(f"no try-it {name!r}; there are: {', '.join(sorted(load_all()))}")
+    with open(path) as f:
+        return f.read()
+
+
+def check(chapter: str, name: str, answer, cluster=None) -> Report:
+    """Judge the learner's ``answer`` to try-it ``name`` of ``chapter`` on ``cluster``'s ranks."""
+    known = load_all()
+    if name not in known or known[name].chapter != str(chapter):
+        here = sorted(n for n, t in known.items() if t.chapter == str(chapter))
+        raise ValueError(f"no try-it {name!r} in chapter {chapter}; its try-its are: {', '.join(here) or 'none'}")
+    tryit = known[name]
+    if answer is ... or answer is None or blanks_in(answer):
+        report = Report(f"Try it: {tryit.asks}", attempted=False)
+        report.note = "Replace each `...` in the cell above with your code, run that cell, then this one."
+        report.key = name
+        return report
+    if cluster is None:
+        raise ValueError("pass the notebook's cluster: check_answer(..., cluster) runs your code on its ranks")
+    report = tryit.check(answer, cluster)
+    report.title, report.key = f"Try it: {tryit.asks}", name
+    if not report.passed and not report.note:
+        report.note = f"When you want to compare with a reference: dpc.exercises.solution({name!r})."
+    return report

@@ -1,0 +1,140 @@
+"""The try-it cells of the chapters: as shipped each check says "not attempted yet"; filled
+with its reference (the cell's ``metadata["dpcourse"]["solution"]``, the package's file) it
+passes; filled with each typical mistake it fails, naming a behaviour and never a line of the
+reference; correct answers that look different pass. Counted too: how many of the 26 APIs
+the learner writes in a try-it (in the reference, not in the cell as given)."""
+from __future__ import annotations
+
+import ast
+import json
+import linecache
+import re
+import time
+
+import pytest
+
+import dpcourse as dpc
+from dpcourse.exercises import tryits
+
+from _tryit_variants import VARIANTS
+from test_notebook_surface import APIS, CHAPTERS
+
+MIN_APIS = 24           # of the 26: written by the learner in some try-it
+CHECK_SECONDS = 10.0    # a check answers within this, on a warm cluster of 2 ranks
+
+
+def _try_its():
+    """(notebook, try-it cell, check cell source, (chapter, name, answer name)) for every try-it."""
+    found = []
+    for path in CHAPTERS:
+        cells = json.loads(path.read_text())["cells"]
+        for i, cell in enumerate(cells):
+            if "try-it" in cell.get("metadata", {}).get("tags", []):
+                check = next(c for c in cells[i + 1:] if c["cell_type"] == "code")
+                found.append((path, cell, "".join(check["source"]), _check_call("".join(check["source"]))))
+    return found
+
+
+def _check_call(source: str):
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "check_answer":
+            chapter, name, answer = node.args[:3]
+            return chapter.value, name.value, answer.id
+    raise AssertionError(f"no check_answer(...) call in the cell after a try-it: {source!r}")
+
+
+TRY_ITS = _try_its()
+IDS = [t[3][1] for t in TRY_ITS]
+
+
+def _namespace(path) -> dict:
+    """What a try-it cell can use: the imports of its notebook's first code cell."""
+    first = next(c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code")
+    imports = "\n".join(line for line in "".join(first["source"]).splitlines()
+                        if line.startswith(("import ", "from ")))
+    namespace = {"__name__": "__main__"}
+    exec(imports, namespace)
+    return namespace
+
+
+def _define(path, source: str, answer: str):
+    """Run ``source`` as the filled try-it cell and return what it defines as ``answer``."""
+    filename = f"<try-it {abs(hash(source))}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)  # as IPython does
+    namespace = _namespace(path)
+    exec(compile(source, filename, "exec"), namespace)
+    return namespace[answer]
+
+
+def _given(cell) -> str:
+    return "".join(cell["source"])
+
+
+def _reference(cell) -> str:
+    return cell["metadata"]["dpcourse"]["solution"]
+
+
+def _variant(reference: str, replacements) -> str:
+    for old, new in replacements:
+        assert old in reference, f"{old!r} is not in the reference"
+        reference = reference.replace(old, new)
+    return reference
+
+
+def test_there_are_try_its_and_each_cell_is_what_the_package_holds():
+    assert len(TRY_ITS) >= 10, len(TRY_ITS)
+    assert len(set(IDS)) == len(IDS), "two try-its share a name"
+    for path, cell, _, (chapter, name, _) in TRY_ITS:
+        assert cell["metadata"]["dpcourse"]["try_it"] == name, (path.name, cell["id"])
+        assert _reference(cell) == dpc.exercises.solution(name), f"{name}: metadata and package differ"
+        assert path.name.startswith(chapter), f"{name}: checked as chapter {chapter} in {path.name}"
+        assert tryits.load_all()[name].chapter == chapter
+        assert "..." in _given(cell) and "..." not in _reference(cell), name
+        assert name in VARIANTS and VARIANTS[name]["mistakes"], f"{name}: no typical mistake is tested"
+    assert set(IDS) == set(tryits.load_all()), "a registered try-it has no cell, or a cell no checker"
+
+
+def test_the_learner_writes_at_least_24_of_the_26_apis_in_try_its():
+    written = {api for api, pattern in APIS.items() for _, cell, _, _ in TRY_ITS
+               if re.search(pattern, _reference(cell)) and not re.search(pattern, _given(cell))}
+    assert len(written) >= MIN_APIS, f"{len(written)} of {len(APIS)}: missing {sorted(set(APIS) - written)}"
+
+
+def test_a_starter_with_a_bare_ellipsis_is_not_attempted_and_an_index_ellipsis_is_no_blank():
+    src = "def f(x):\n    ...\n\ndef g(x):\n    return x[..., 0]\n"
+    filename = "<blanks>"
+    linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
+    namespace = {}
+    exec(compile(src, filename, "exec"), namespace)
+    from dpcourse.exercises.ranks import blanks_in
+    assert blanks_in(namespace["f"]) == 1 and blanks_in(namespace["g"]) == 0
+
+
+@pytest.mark.parametrize("try_it", TRY_ITS, ids=IDS)
+def test_a_try_it_as_shipped_reference_mistakes_and_other_correct_answers(try_it, cluster2):
+    path, cell, _, (chapter, name, answer) = try_it
+    check = dpc.exercises.check_answer
+    given = check(chapter, name, _define(path, _given(cell), answer), cluster2)
+    assert not given.attempted and "not attempted" in str(given), str(given)
+
+    reference = _reference(cell)
+    start = time.monotonic()
+    passed = check(chapter, name, _define(path, reference, answer), cluster2)
+    assert passed.passed, str(passed)
+    assert time.monotonic() - start < CHECK_SECONDS * 3, "the check is far slower than its budget"
+
+    lines = {line.strip() for line in reference.splitlines()
+             if len(line.strip()) > 12 and not line.strip().startswith("#")}
+    for label, replacements, words in VARIANTS[name]["mistakes"]:
+        report = check(chapter, name, _define(path, _variant(reference, replacements), answer), cluster2)
+        text = str(report)
+        assert report.attempted and not report.passed, f"{label}: passed\n{text}"
+        assert words in text, f"{label}: {words!r} not in\n{text}"
+        failed = [i for i in report.items if i.status == "fail"]
+        assert failed and all(i.detail for i in failed), f"{label}: a failed item says nothing\n{text}"
+        given_away = [line for line in lines if line in text]
+        assert not given_away, f"{label}: the report gives the reference's line away: {given_away}"
+        assert report.fix() == reference
+    for label, replacements in VARIANTS[name].get("correct", []):
+        report = check(chapter, name, _define(path, _variant(reference, replacements), answer), cluster2)
+        assert report.passed, f"{label}\n{report}"
