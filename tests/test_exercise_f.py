@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import dpcourse as dpc
+from test_exercises import assert_teaches
 
 pytestmark = pytest.mark.timeout(600)
 REFERENCE = Path(dpc.scripts.path("train_fsdp")).read_text()
@@ -67,10 +68,10 @@ OPTIMIZER = "    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, mom
 MISTAKES = [
     ("optimizer before sharding",
      [(OPTIMIZER, ""), ("    model = MLP().to(device)\n", "    model = MLP().to(device)\n" + OPTIMIZER)],
-     "each rank's optimizer steps", "create the optimizer after fully_shard"),
+     "each rank's optimizer steps", "when must the optimizer be created"),
     ("the root only",
      [("        fully_shard(block, mesh=mesh, mp_policy=policy)\n", "        pass\n")],
-     "every block is a unit", "apply fully_shard to each block"),
+     "every block is a unit", "a unit of its own"),
     ("no mixed precision",
      [("mp_policy=policy", "mp_policy=MixedPrecisionPolicy()")],
      "mixed precision", "carried float32"),
@@ -79,16 +80,16 @@ MISTAKES = [
      "mixed precision", "reduce-scatters carried bfloat16"),
     ("no clipping",
      [(CLIP, "")],
-     "the gradients' global norm is clipped", "clip_grad_norm_(model.parameters(), args.max_norm)"),
+     "the gradients' global norm is clipped", "unclipped"),
     ("each rank clips its own slice",
      [(CLIP, "            mine = [p.grad.to_local() for p in model.parameters()]  # this rank's slices\n"
              "            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in mine]))\n"
              "            for g in mine:\n"
              "                g.mul_(min(1.0, args.max_norm / (norm.item() + 1e-6)))\n")],
-     "the gradients' global norm is clipped", "each rank's own slice does not"),
+     "the gradients' global norm is clipped", "the norm of its own slice"),
     ("saves the shards",
      [("    state = get_model_state_dict(model, options=options)\n", "    state = model.state_dict()\n")],
-     "the checkpoint loads into the plain model", "full_state_dict=True"),
+     "the checkpoint loads into the plain model", "gathered from every rank"),
     ("every rank saves",
      [("    if rank == 0:\n        torch.save(state, args.out)", "    if True:\n        torch.save(state, args.out)")],
      "only rank 0 writes the checkpoint", "rank 1 also called torch.save"),
@@ -143,5 +144,6 @@ def test_each_mistake_fails_with_its_item_named(tmp_path, mistake, edits, failin
     assert not report.passed
     bad = item(report, failing)
     assert bad.status == "fail" and words in bad.detail, str(report)
+    assert_teaches(report, REFERENCE)
     if mistake == "optimizer before sharding":  # its stale parameters get no gradients: clipping is not judged
         assert item(report, "the gradients' global norm").status == "skip", str(report)

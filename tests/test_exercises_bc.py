@@ -123,6 +123,20 @@ def test_b_each_mistake_fails_with_its_item_named(cluster2, mistake, edits, fail
     assert bad.status == "fail" and words in bad.detail, str(report)
 
 
+def test_b_a_wrong_set_up_leaves_its_predictions_not_judged_and_the_ratio_unsaid(cluster2):
+    source = B
+    for old, new in B_MISTAKES[0][1]:   # SHARD_GRAD_OP labelled FULL_SHARD, right predictions for FULL_SHARD
+        source = edited(source, old, new)
+    source = edited(source, '"sent_per_step": 2 * (N - 1) / N * psi},', '"sent_per_step": 2 * psi},')
+    report = dpc.exercises.check_b(*define(source, "wrap_ddp", "wrap_fsdp", "predicted", "faster"), cluster=cluster2)
+    assert item(report, "your FSDP set-up is FULL_SHARD").status == "fail"
+    for what in ("parameters", "gradients", "optimizer state", "sent per step"):
+        fsdp = item(report, f"prediction: FULL_SHARD {what}")
+        assert fsdp.status == "skip" and fsdp.detail == "not judged: the set-up is not FULL_SHARD", str(report)
+    assert item(report, "prediction: DDP sent per step").status == "fail"
+    assert "times DDP's bytes" not in report.note, report.note   # the ratio would give FSDP's figure away
+
+
 def test_b_speed_is_judged_on_the_fastest_steps_and_a_near_tie_takes_either_answer():
     judge = exercise_b._judge_faster
     clear = {"ddp": 0.020, "fsdp": 0.070}

@@ -27,7 +27,7 @@ _reference_cache: dict[tuple, dict] = {}
 
 def check_a(path: str = "train_ddp.py", timeout: float = 180.0) -> Report:
     """Run the learner's DDP script on 2 ranks under torchrun and say, item by item, what is right."""
-    return check_script(Report("Exercise A"), path, "make it data-parallel", ARGS, timeout, _judge)
+    return check_script(Report("Exercise A", key="A"), path, "make it data-parallel", ARGS, timeout, _judge)
 
 
 def check_script(report: Report, path: str, unchanged: str, args: list, timeout: float, judge) -> Report:
@@ -43,6 +43,8 @@ def check_script(report: Report, path: str, unchanged: str, args: list, timeout:
         return report
     with tempfile.TemporaryDirectory(prefix="dpcourse-check-") as work:
         judge(report, torchrun(path, args, work, WORLD_SIZE, timeout), timeout)
+    if not report.passed:
+        report.note = "Each failed item says what the ranks did. To compare with a reference: report.fix()."
     return report
 
 
@@ -78,7 +80,8 @@ def judge_leaving(report: Report, logs: list[dict], finished: bool) -> None:
     """The last item of a torchrun check: every rank left the process group."""
     report.add("destroys the process group on every rank",
                all(log["destroyed"] for log in logs) if finished else None,
-               ", ".join(f"rank {r} never called dist.destroy_process_group()"
+               "; ".join(f"rank {r} ended without leaving the process group, so torch.distributed "
+                         "never learnt it was done with it -- what closes a rank's part in the group?"
                          for r, log in enumerate(logs) if not log["destroyed"]))
 
 
@@ -97,8 +100,8 @@ def _judge_sampling(report: Report, logs: list[dict], finished: bool) -> None:
         seen = [set(x[e]) for x in epochs]
         both = sorted(seen[0] & seen[1])
         if both:
-            problems.append(f"rank 0 and rank 1 both read samples {_few(both)} in epoch {e} -- is "
-                            "the DataLoader using a DistributedSampler?")
+            problems.append(f"rank 0 and rank 1 both read samples {_few(both)} in epoch {e}: each rank "
+                            "drew from the whole dataset -- what gives every rank a part of its own?")
         elif len(seen[0] | seen[1]) < n:
             problems.append(f"in epoch {e} the ranks together read {len(seen[0] | seen[1])} of "
                             f"{n} samples")
@@ -115,8 +118,9 @@ def _judge_sampling(report: Report, logs: list[dict], finished: bool) -> None:
     else:
         same = orders[0] == orders[1]
         report.add("the order changes between epochs (set_epoch)", not same,
-                   "rank 0 read the same samples in the same order in epochs 0 and 1 -- call "
-                   "sampler.set_epoch(epoch) at the start of every epoch" if same else "")
+                   "rank 0 read the same samples in the same order in epochs 0 and 1: the sampler "
+                   "shuffles from a seed -- what makes a DistributedSampler reshuffle for a new epoch?"
+                   if same else "")
 
 
 def _judge_logging_and_saving(report: Report, run, logs: list[dict], finished: bool) -> None:
@@ -124,8 +128,8 @@ def _judge_logging_and_saving(report: Report, run, logs: list[dict], finished: b
     detail = ""
     if chatty:
         first = run.rank_stdout[chatty[0]].strip().splitlines()
-        detail = (f"rank {chatty[0]} printed {len(first)} line(s), e.g. {first[0][:80]!r} -- "
-                  "print on rank 0 only (`if dist.get_rank() == 0:`)")
+        detail = (f"rank {chatty[0]} printed {len(first)} line(s), e.g. {first[0][:80]!r}: every rank runs "
+                  "the whole script, so each prints the same log -- which rank speaks for the job?")
     report.add("only rank 0 logs", not chatty, detail)
     savers = [r for r, log in enumerate(logs) if log["saves"]]
     if savers == [0]:
@@ -137,19 +141,19 @@ def _judge_logging_and_saving(report: Report, run, logs: list[dict], finished: b
     else:
         others = [r for r in savers if r != 0]
         report.add("only rank 0 writes the checkpoint", False,
-                   f"rank {others[0]} also called torch.save({os.path.basename(logs[others[0]]['saves'][0])!r}) "
-                   "-- the replicas are identical: save on rank 0 only" if others else
+                   f"rank {others[0]} also called torch.save({os.path.basename(logs[others[0]]['saves'][0])!r}): "
+                   "the replicas hold identical weights, so every rank wrote the same file" if others else
                    "rank 0 did not save")
 
 
 def _judge_checkpoint(report: Report, logs: list[dict]):
     def wrapped(state):
         keys = [k for k in state if k.startswith("module.")]
-        return (f"its keys start with 'module.' (e.g. {keys[0]!r}): you saved the DDP wrapper -- save "
-                "model.module.state_dict()") if keys else None
+        return (f"its keys start with 'module.' (e.g. {keys[0]!r}): the file holds the DDP wrapper's names, "
+                "which the plain model does not load -- whose state dict is the plain model's?") if keys else None
 
     return judge_checkpoint(report, logs, "the checkpoint loads into the plain model (no 'module.' prefix)",
-                            wrapped, "save model.module.state_dict() with torch.save")
+                            wrapped, "the file must hold the plain model's tensors")
 
 
 def judge_checkpoint(report: Report, logs: list[dict], name: str, wrong, fix: str):

@@ -71,10 +71,11 @@ def check_b(wrap_ddp, wrap_fsdp, predicted: dict, faster=..., cluster=None, time
                 if not isinstance(out, RankFailure):
                     fastest[key] = min(fastest[key], _fastest_step(timeline))
     model = models.build_model("mlp", **SIZES)
-    report.add("your DDP set-up replicates: every rank holds all parameters and all-reduces the gradients",
-               *_judge_ddp(measured["ddp"], model))
-    report.add("your FSDP set-up is FULL_SHARD: 1/2 of the parameters per rank, every unit gathered again "
-               "for backward", *_judge_full_shard(measured["fsdp"], model))
+    kinds = {"ddp": report.add("your DDP set-up replicates: every rank holds all parameters and all-reduces "
+                               "the gradients", *_judge_ddp(measured["ddp"], model)),
+             "fsdp": report.add("your FSDP set-up is FULL_SHARD: 1/2 of the parameters per rank, every unit "
+                                "gathered again for backward", *_judge_full_shard(measured["fsdp"], model))}
+    judged = {}   # (set-up, what) -> the prediction passed
     for key in ("ddp", "fsdp"):
         guesses = predicted.get(key, {}) if isinstance(predicted, dict) else {}
         for what in CATEGORIES + ("sent_per_step",):
@@ -82,13 +83,19 @@ def check_b(wrap_ddp, wrap_fsdp, predicted: dict, faster=..., cluster=None, time
             if measured[key] is None:
                 report.add(name, None, "judged once the set-up runs")
                 continue
+            if not kinds[key].passed:  # its measurement is of another set-up than the one predicted
+                report.add(name, None, f"not judged: the set-up is not {NAMES[key]}")
+                continue
             _, memory, comm, _ = measured[key]
             value = sum(comm.bytes(rank=0, step=-1).values()) if what == "sent_per_step" else memory.at_rest(0)[what]
             ok, detail = setups.miss(guesses.get(what, ...), value, TOLERANCE)
+            judged[key, what] = ok is True
             report.add(name, ok, detail + (_why(key, what, guesses.get(what), value) if ok is False else ""))
     report.add("prediction: the faster set-up on these ranks", *_judge_faster(faster, fastest))
     if faster is not ... and all(measured.values()):
-        report.note = _explain(measured, fastest)
+        # the ratio of bytes sent would give one prediction away from the other: said once both passed
+        report.note = _explain(measured, fastest, judged.get(("ddp", "sent_per_step"), False)
+                               and judged.get(("fsdp", "sent_per_step"), False))
     return report
 
 
@@ -102,8 +109,8 @@ def _judge_ddp(run, model) -> tuple[bool | None, str]:
     if any(h < full for h in held):
         return False, "a rank holds only part of the parameters: that is sharding, not DDP"
     if "all_reduce" not in calls or "all_gather" in calls:
-        return False, (f"a step's collectives were {dict(calls)}: DDP all-reduces the gradients "
-                       "(torch.nn.parallel.DistributedDataParallel)")
+        return False, (f"a step's collectives were {dict(calls)}: a replica's gradients are averaged by "
+                       "all-reduce, and nothing is gathered, in a DDP step")
     return True, "a full replica on every rank; the gradients all-reduced"
 
 
@@ -177,8 +184,9 @@ def _judge_faster(faster, fastest: dict) -> tuple[bool | None, str]:
     return False, f"on these ranks {NAMES[won]}'s steps took less time; the note below says why"
 
 
-def _explain(measured, fastest: dict) -> str:
-    """Why one set-up is faster here, from the measured split of a step."""
+def _explain(measured, fastest: dict, ratio_known: bool) -> str:
+    """Why one set-up is faster here, from the measured split of a step; the ratio of the bytes
+    the two send only when ``ratio_known`` (both predictions of it passed)."""
     parts, sent = [], {}
     for key, (_, _, comm, timeline) in measured.items():
         summary = timeline.summary(rank=0)
@@ -186,7 +194,8 @@ def _explain(measured, fastest: dict) -> str:
         sent[key] = sum(comm.bytes(rank=0, step=-1).values())
         parts.append(f"{NAMES[key]}'s fastest step took {fastest[key] * 1e3:.1f} ms; its last one issued {calls} "
                      f"collective(s), with {summary['exposed_s'] * 1e3:.1f} ms of communication no compute hid")
-    more = f"{sent['fsdp'] / sent['ddp']:.1f} times DDP's bytes" if sent["ddp"] else "more bytes than DDP"
+    more = (f"{sent['fsdp'] / sent['ddp']:.1f} times DDP's bytes" if sent["ddp"] and ratio_known
+            else "more bytes than DDP")
     head = "Measured on rank 0, after the first step: " + "; ".join(parts) + ". "
     tail = (" On GPUs with large layers, FSDP prefetches the next unit's gather while the current one "
             "computes, and most of its communication hides.")

@@ -46,13 +46,13 @@ _reference_cache: dict[tuple, dict] = {}
 
 def check_f(path: str = "train_fsdp.py", timeout: float = 240.0) -> Report:
     """Run the learner's FSDP2 script on 2 ranks under torchrun and say, item by item, what is right."""
-    return a.check_script(Report("Exercise F"), path, "shard it with fully_shard", ARGS, timeout, _judge)
+    return a.check_script(Report("Exercise F", key="F"), path, "shard it with fully_shard", ARGS, timeout, _judge)
 
 
 def _judge(report: Report, run, timeout: float) -> None:
     logs = [read_log(run.observed, r) for r in range(WORLD_SIZE)]
-    finished = a.judge_completion(report, run, logs, timeout, "gathering the full state dict is one: call it "
-                                  "on every rank, save on rank 0")
+    finished = a.judge_completion(report, run, logs, timeout, "gathering a full state dict is one: it is a "
+                                  "collective -- which ranks must take part in it?")
     a._judge_sampling(report, logs, finished=finished)
     report.add(ITEMS["sharded"], *_judge_shards(logs))
     report.add(ITEMS["units"], *_judge_units(logs))
@@ -72,8 +72,8 @@ def _judge_shards(logs) -> tuple[bool | None, str]:
     local, total, dtensors, params = shards[0]
     if dtensors < params:
         return False, (f"rank 0's optimizer holds {params - dtensors} of {params} parameters as plain "
-                       "tensors: create the optimizer after fully_shard, from model.parameters() -- "
-                       "fully_shard replaces every parameter by a DTensor shard")
+                       "tensors: fully_shard replaces every parameter by a DTensor shard, so these are "
+                       "tensors the model no longer uses -- when must the optimizer be created?")
     held = [s[0] / s[1] for s in shards]
     if any(abs(h - 1 / WORLD_SIZE) > 0.1 for h in held):
         return False, (f"the ranks step {', '.join(f'{h:.0%}' for h in held)} of the parameters' "
@@ -97,8 +97,8 @@ def _judge_units(logs) -> tuple[bool | None, str]:
                        "fully_shard reduce-scatters)")
     if min(scatters) < blocks or min(gathers) < blocks:
         return False, (f"rank 0 made {min(gathers)} all-gather(s) and {min(scatters)} reduce-scatter(s) "
-                       f"in a step, fewer than the MLP's {blocks} blocks: apply fully_shard to each "
-                       "block first, then to the whole model")
+                       f"in a step, fewer than the MLP's {blocks} blocks: the model is gathered in "
+                       "fewer, larger pieces -- what makes each block a unit of its own?")
     return True, f"per step on rank 0: {min(gathers)} all-gathers, {min(scatters)} reduce-scatters"
 
 
@@ -112,13 +112,13 @@ def _judge_precision(logs) -> tuple[str | None, tuple]:
     dtype = next(iter(gathered)) if len(gathered) == 1 else None
     cuda_without_bf16 = torch.cuda.is_available() and not torch.cuda.is_bf16_supported()
     if not gathered <= low and not (cuda_without_bf16 and gathered == {"float32"}):
-        return dtype, (False, f"the all-gathers carried {', '.join(sorted(gathered))}: gather in bf16 with "
-                       "fully_shard(..., mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, ...)) "
-                       "(PyTorch runs bf16 on CPUs too)")
+        return dtype, (False, f"the all-gathers carried {', '.join(sorted(gathered))}: the parameters were "
+                       "gathered at full precision (PyTorch runs bf16 on CPUs too) -- what tells fully_shard "
+                       "the dtype to compute in?")
     if reduced != {"float32"}:
-        return dtype, (False, f"the reduce-scatters carried {', '.join(sorted(reduced))}: reduce in float32 "
-                       "(MixedPrecisionPolicy's reduce_dtype), or small gradients lose their low bits "
-                       "when the ranks' values are summed")
+        return dtype, (False, f"the reduce-scatters carried {', '.join(sorted(reduced))}: summed over the "
+                       "ranks in a 16-bit format, small gradients lose their low bits -- which dtype should "
+                       "the reduction use?")
     return dtype, (True, f"gathers in {', '.join(sorted(gathered))}, reductions in float32")
 
 
@@ -138,23 +138,20 @@ def _judge_clip(logs) -> tuple[bool | None, str]:
     worst = max(range(len(norms)), key=lambda k: norms[k])
     if norms[worst] > MAX_NORM * (1 + 1e-3):
         return False, (f"before optimizer step {steps[worst]} the gradients' global norm was "
-                       f"{norms[worst]:.3f}, above --max-norm {MAX_NORM} -- call "
-                       "torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_norm) between backward() "
-                       "and optimizer.step(): on DTensor gradients its norm covers every rank's slice, "
-                       "which clipping each rank's own slice does not")
+                       f"{norms[worst]:.3f}, above --max-norm {MAX_NORM}: the step used unclipped "
+                       "gradients, or each rank scaled by the norm of its own slice, which is smaller than "
+                       "the norm of the whole gradient -- what must a norm over sharded gradients add up?")
     return True, f"{len(steps)} steps, every global norm at most {MAX_NORM}"
 
 
 def _judge_checkpoint(report: Report, logs: list[dict]):
-    full = "get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)), called on every rank"
-
     def sharded(state):
         keys = [k for k, v in state.items() if type(v).__name__ == "DTensor"]
-        return (f"its values are DTensors (e.g. {keys[0]!r}), each rank's slice: gather a full state dict "
-                f"with {full}") if keys else None
+        return (f"its values are DTensors (e.g. {keys[0]!r}): the file holds rank 0's shards, which the plain "
+                "model cannot load -- the whole tensors have to be gathered from every rank first") if keys else None
 
     return a.judge_checkpoint(report, logs, "the checkpoint loads into the plain model (plain keys, full tensors)",
-                              sharded, f"save full tensors -- {full}")
+                              sharded, "the file must hold whole, plain tensors, gathered from every rank")
 
 
 def _judge_weights(weights, dtype) -> tuple[bool | None, str]:
