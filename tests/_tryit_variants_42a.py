@@ -21,4 +21,74 @@ VARIANTS = {
                  "            (F.mse_loss(ddp_model(x), y) * (1 / len(micro_batches))).backward()")]),
         ],
     },
+    "sampler": {
+        "mistakes": [
+            ("no set_epoch", [("        sampler.set_epoch(epoch)\n", "")], "same order as epoch 0"),
+            ("a shuffled DataLoader without the distributed sampler",
+             [("DataLoader(dataset, batch_size=2, sampler=sampler)", "DataLoader(dataset, batch_size=2, shuffle=True)")],
+             "the whole dataset"),
+            ("drop_last forgotten", [("seed=seed, drop_last=True", "seed=seed")], "repeated"),
+            ("the seed not passed on", [("seed=seed, drop_last=True", "drop_last=True")], "another seed"),
+        ],
+        "correct": [
+            ("the ranks named, bigger batches, a tensor's tolist", [
+                ("DistributedSampler(dataset, seed=seed, drop_last=True)",
+                 "DistributedSampler(dataset, num_replicas=dist.get_world_size(), rank=dist.get_rank(),\n"
+                 "                                 shuffle=True, seed=seed, drop_last=True)"),
+                ("batch_size=2", "batch_size=4"),
+                ("orders.append([int(i) for (batch,) in loader for i in batch])",
+                 "orders.append(torch.cat([batch for (batch,) in loader]).tolist())")]),
+        ],
+    },
+    "ddp_script": {
+        "mistakes": [
+            ("every rank saves", [("    if rank == 0:\n        torch.save(", "    torch.save(")], "every rank saved"),
+            ("the DDP wrapper's state dict", [("model.module.state_dict()", "model.state_dict()")], "module."),
+            ("no DDP", [("    model = DDP(model)\n", ""), ("model.module.state_dict()", "model.state_dict()")],
+             "never averaged"),
+            ("the group is not destroyed", [("    dist.destroy_process_group()\n", "")], "still had a process group"),
+        ],
+        "correct": [
+            ("the rank from the environment, slices, a barrier, os._exit as the chapter's script", [
+                ("import torch.nn.functional as F\n", "import os\nimport torch.nn.functional as F\n"),
+                ("from torch.nn.parallel import DistributedDataParallel as DDP\n",
+                 "from torch.nn.parallel import DistributedDataParallel\n"),
+                ('    dist.init_process_group("gloo")\n', '    dist.init_process_group(backend="gloo")\n'),
+                ("rank, world_size = dist.get_rank(), dist.get_world_size()",
+                 'rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])'),
+                ("model = DDP(model)", "model = DistributedDataParallel(model)"),
+                ("    F.mse_loss(model(x.chunk(world_size)[rank]), y.chunk(world_size)[rank]).backward()\n",
+                 "    share = len(x) // world_size\n"
+                 "    mine = slice(rank * share, (rank + 1) * share)\n"
+                 "    loss = F.mse_loss(model(x[mine]), y[mine])\n"
+                 "    optimizer.zero_grad()\n"
+                 "    loss.backward()\n"),
+                ("    dist.destroy_process_group()\n",
+                 "    dist.barrier()\n    dist.destroy_process_group()\n    os._exit(0)\n")]),
+        ],
+    },
+    "comm_hook": {
+        "mistakes": [
+            ("the sum, not the mean", [("(grads / dist.get_world_size())", "grads")], "2 times the right size"),
+            ("all-reduced in float32", [(".to(torch.bfloat16)", "")], "full precision"),
+            ("the bf16 result handed back", [("grads.copy_(fut.value()[0])", "fut.value()[0]")], "bfloat16 value"),
+            ("the hook never registered", [("    ddp_model.register_comm_hook(None, hook)", "    hook")],
+             "no comm hook was registered"),
+            ("the all-reduce's own future returned", [
+                ("return future.then(lambda fut: grads.copy_(fut.value()[0]))", "return future")], "list of 1 tensor"),
+        ],
+        "correct": [
+            ("compress, then an averaging all-reduce", [
+                ("(grads / dist.get_world_size()).to(torch.bfloat16)", "grads.to(torch.bfloat16)"),
+                ("dist.all_reduce(compressed, async_op=True)",
+                 "dist.all_reduce(compressed, op=dist.ReduceOp.AVG, async_op=True)")]),
+            ("divided after the all-reduce, in float32", [
+                ("(grads / dist.get_world_size()).to(torch.bfloat16)", "grads.to(torch.bfloat16)"),
+                ("grads.copy_(fut.value()[0])", "grads.copy_(fut.value()[0]).div_(dist.get_world_size())")]),
+            ("PyTorch's own bf16 hook", [
+                ("    ddp_model.register_comm_hook(None, hook)",
+                 "    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks\n"
+                 "    ddp_model.register_comm_hook(dist.group.WORLD, default_hooks.bf16_compress_hook)")]),
+        ],
+    },
 }
