@@ -1,4 +1,539 @@
-"""4.2b's try-its (checked on the notebook's ranks)."""
+"""4.2b's try-its: FSDP2, FSDP1, DCP checkpoints and accumulation, written by the learner
+(checked on the notebook's ranks).
+
+Each checker runs the learner's function on every rank next to a reference computed on the
+same rank (one process on the whole global batch, or the saver's own full state), and judges
+what happened: the parameters' types, the collectives the ranks issued (seen from outside by
+the collective tracker, with their dtypes and the phase, forward or backward, they ran in),
+weights, gradients and optimizer state.
+"""
 from __future__ import annotations
 
-from . import try_it  # noqa: F401
+import contextlib
+import shutil
+import tempfile
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from ... import models
+from ..ranks import RankFailure, run_or_failure
+from ..report import Report
+from . import try_it
+
+TIMEOUT = 20.0          # seconds for one check's call on the ranks
+RTOL, ATOL = 1e-4, 1e-6
+JUDGED_LATER = "judged once it runs"
+
+
+class _Collectives:
+    """On a rank: every collective issued inside ``with``, as (phase, collective, dtype);
+    ``phase`` is whatever the checker last set ("forward", "backward", ...)."""
+
+    def __init__(self):
+        self.phase, self.seen = "", []
+
+    def __enter__(self):
+        from ...observe.comm import first_tensor
+        from ...pool.tracker import TRACKER
+
+        def issued(call):
+            t = first_tensor(call.args[0]) if call.args else None
+            self.seen.append((self.phase, call.collective, None if t is None else str(t.dtype).replace("torch.", "")))
+
+        self._listening = TRACKER.listen(issued)
+        self._listening.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._listening.__exit__(*exc)
+
+    def count(self, collective: str, phase: str | None = None) -> int:
+        return sum(1 for p, c, _ in self.seen if c == collective and (phase is None or p == phase))
+
+    def dtypes(self, collective: str) -> set[str]:
+        return {d for _, c, d in self.seen if c == collective}
+
+
+@contextlib.contextmanager
+def _quiet():
+    """FSDP1's state-dict code warns about its own internals (ShardedTensor, default devices)
+    at every call: not the learner's business in a check."""
+    with warnings.catch_warnings():
+        for text in ("Please use DTensor instead", "`_get_pg_default_device` will be deprecated",
+                     "Multiple backends are registered"):
+            warnings.filterwarnings("ignore", text)
+        yield
+
+
+def _close(got, want) -> bool:
+    return all(torch.allclose(a, b, rtol=RTOL, atol=ATOL) for a, b in zip(got, want))
+
+
+def _ratio(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    """How many times ``want`` ``got`` is, fitted over all tensors (1.0 when equal)."""
+    g, w = torch.cat([t.flatten() for t in got]), torch.cat([t.flatten() for t in want])
+    return float((g @ w) / (w @ w).clamp_min(1e-30))
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def _full(t):
+    """A DTensor's full value (a collective: every rank calls it), a plain tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return t.detach().full_tensor() if isinstance(t, DTensor) else t.detach().clone()
+
+
+def _imports() -> None:
+    import torch.distributed.checkpoint  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401
+    import torch.distributed.tensor  # noqa: F401
+
+
+def _run(cluster, fn, *args):
+    """``run_or_failure`` after every rank has imported FSDP, DTensor and DCP: seconds on fresh
+    ranks (after a failure restarted them), which the check's own timeout is not meant for."""
+    cluster.run(_imports, timeout=180)
+    return run_or_failure(cluster, fn, *args, timeout=TIMEOUT)
+
+
+def _failed_run(report: Report, got: RankFailure, later: list[str]) -> Report:
+    report.add("runs on every rank", False, got.describe(TIMEOUT))
+    for name in later:
+        report.add(name, None, JUDGED_LATER)
+    return report
+
+
+# ------------------------------------------------------------------------------ fully_shard
+SHARD_MODEL, SHARD_BATCH, SHARD_LR = "transformer", 4, 0.1   # samples per rank, SGD's lr
+
+
+def _one_sgd_step(name: str, x, y) -> dict[str, torch.Tensor]:
+    """One process: one SGD step on the whole global batch (the ground truth)."""
+    model = models.build_model(name, seed=0)
+    models.loss_fn(name, model(x), y).backward()
+    torch.optim.SGD(model.parameters(), lr=SHARD_LR).step()
+    return {k: v.detach() for k, v in model.named_parameters()}
+
+
+def _fully_shard_on_rank(shard):
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor, Shard
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, y = models.make_dataset(SHARD_MODEL, SHARD_BATCH * world).tensors
+    mine = slice(rank * SHARD_BATCH, (rank + 1) * SHARD_BATCH)
+    model = models.build_model(SHARD_MODEL, seed=0)
+    names = {id(m): n for n, m in model.named_modules()}
+    blocks = [names[id(b)] for b in model.blocks]
+    sharded = shard(model, "cpu")
+    sharded = model if sharded is None else sharded
+    params = dict(model.named_parameters())
+    plain = [n for n, p in params.items() if not isinstance(p, DTensor)]
+    meshes = {p.device_mesh.size() for p in params.values() if isinstance(p, DTensor)}
+    placements = {tuple(p.placements) for p in params.values() if isinstance(p, DTensor)}
+    shown = ", ".join(sorted({str(tuple(map(str, pl))) for pl in placements}))
+    units = [names.get(id(m), "?") for m in model.modules() if isinstance(m, FSDPModule)]
+    optimizer = torch.optim.SGD(model.parameters(), lr=SHARD_LR)
+    with _Collectives() as seen:
+        seen.phase = "forward"
+        with warnings.catch_warnings():   # the transformer's output is a view: harmless here
+            warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
+            loss = models.loss_fn(SHARD_MODEL, sharded(x[mine]), y[mine])
+        seen.phase = "backward"
+        loss.backward()
+        seen.phase = "step"
+        optimizer.step()
+    weights = {n: _full(p) for n, p in params.items()}
+    return {"plain": plain, "meshes": sorted(meshes), "sharded_dim0": placements <= {(Shard(0),)}, "placements": shown,
+            "units": units, "blocks": blocks, "forward": seen.count("all_gather", "forward"),
+            "backward": seen.count("all_gather", "backward"), "world": world,
+            "weights": weights, "want": _one_sgd_step(SHARD_MODEL, x, y)}
+
+
+@try_it("fully_shard", "4.2b", "a transformer under fully_shard: a unit per block, kept gathered for backward")
+def check_fully_shard(shard, cluster) -> Report:
+    report = Report("")
+    sharded, units = "every parameter is a DTensor shard over all ranks", "one unit per block, then the root"
+    kept, step = "the blocks are not gathered again in backward", "one SGD step equals one process's on the global batch"
+    got = _run(cluster, _fully_shard_on_rank, shard)
+    if isinstance(got, RankFailure):
+        return _failed_run(report, got, [sharded, units, kept, step])
+    report.add("runs on every rank", True)
+    r = got[0]
+    if r["plain"]:
+        shown = ", ".join(r["plain"][:3]) + (", ..." if len(r["plain"]) > 3 else "")
+        report.add(sharded, False, f"{_plural(len(r['plain']), 'parameter')} ({shown}) stayed plain tensors: "
+                   "every rank holds them whole, and nothing averages their gradients over the ranks. "
+                   "Which call takes the parameters no block holds?")
+    elif r["meshes"] != [r["world"]] or not r["sharded_dim0"]:
+        report.add(sharded, False, f"the parameters are DTensors on a mesh of {'/'.join(map(str, r['meshes']))} "
+                   f"rank(s), placed as {r['placements']}: does each of the {r['world']} ranks hold a slice of "
+                   "every parameter? How many dimensions has the mesh, over how many ranks?")
+    else:
+        report.add(sharded, True)
+    unit_names = sorted("the root" if u == "" else u for u in r["units"])
+    if sorted(r["units"]) == sorted([""] + r["blocks"]) and r["forward"] == len(r["units"]):
+        report.add(units, True)
+    elif r["forward"] == 1:
+        report.add(units, False, f"forward all-gathered the parameters in a single collective: the model is "
+                   f"one unit ({', '.join(unit_names)}), gathered whole, so every rank holds all of it at once. "
+                   "What makes a block a unit of its own, and in which order?")
+    else:
+        report.add(units, False, f"forward ran {_plural(r['forward'], 'all-gather')}, one per unit; the units are "
+                   f"{', '.join(unit_names) or 'none'}: a unit is a module sharded on its own, and it takes the "
+                   "parameters no unit below it holds. Which modules are to be units?")
+    if r["backward"] == 0:
+        report.add(kept, True)
+    else:
+        report.add(kept, False, f"backward all-gathered parameters again ({_plural(r['backward'], 'all-gather')}): "
+                   "the units freed their gathered parameters after forward and fetched them again for "
+                   "backward. What tells a unit to keep them from its forward to its backward?")
+    if all(_close([x["weights"][k] for k in x["want"]], list(x["want"].values())) for x in got):
+        report.add(step, True)
+    else:
+        ratio = _ratio([r["weights"][k] - v for k, v in _initial(SHARD_MODEL).items()],
+                       [r["want"][k] - v for k, v in _initial(SHARD_MODEL).items()])
+        size = f" (the update is about {ratio:.2g} times the right size)" if abs(ratio - 1) > 0.05 else ""
+        report.add(step, False, f"the weights after the step differ from one process's{size}: are all "
+                   "parameters' gradients averaged over the ranks?")
+    return report
+
+
+def _initial(name: str) -> dict[str, torch.Tensor]:
+    return {k: v.detach() for k, v in models.build_model(name, seed=0).named_parameters()}
+
+
+# ------------------------------------------------------------------------------------ fsdp1
+FSDP1_STEPS, FSDP1_BATCH, FSDP1_LR = 2, 8, 0.05
+BF16_TOLERANCE = 1e-3   # weights after 2 SGD steps, bf16 gathers vs fp32 one process: 4e-5 measured
+
+
+def _fsdp1_units(wrapped, modules: dict[int, str], names: list[str]) -> list[tuple]:
+    """(is the root, its parameters' names) for each FSDP1 unit, by the plain model's names
+    (``modules``: id of each module -> its name, ``names``: the parameters', read before
+    wrapping): each parameter belongs to the innermost FSDP instance around its module."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    if not isinstance(wrapped, FSDP):
+        return []
+    prefixes = [modules.get(id(m.module), "?") for m in wrapped.modules() if isinstance(m, FSDP)]
+    owner = {name: max((p for p in prefixes if p == "" or name.startswith(p + ".")), key=len) for name in names}
+    return sorted(((p == "", frozenset(n for n in names if owner[n] == p)) for p in prefixes),
+                  key=lambda unit: (unit[0], sorted(unit[1])))
+
+
+def _plain_units(model, unit_names) -> list[frozenset]:
+    """(is the root, its parameters' names) for each unit: the modules ``unit_names``, then the root."""
+    units = [frozenset(f"{u}.{n}" for n, _ in model.get_submodule(u).named_parameters()) for u in unit_names]
+    rest = frozenset(n for n, _ in model.named_parameters()) - frozenset().union(*units)
+    return sorted([(False, u) for u in units] + [(True, rest)], key=lambda unit: (unit[0], sorted(unit[1])))
+
+
+def _describe_units(units: list) -> str:
+    """"blocks.1 | blocks.2 | the root: blocks.0, head": each unit by the modules its
+    parameters belong to."""
+    def modules(root, unit):
+        held = ", ".join(sorted({".".join(n.split(".")[:2]) if n.startswith("blocks.") else n.split(".")[0]
+                                 for n in unit})) or "no parameters"
+        return f"the root: {held}" if root else held
+    return " | ".join(modules(root, u) for root, u in units)
+
+
+def _fsdp1_on_rank(wrap):
+    with _quiet():
+        return _fsdp1_run(wrap)
+
+
+def _fsdp1_run(wrap):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, y = models.make_dataset("mlp", FSDP1_STEPS * FSDP1_BATCH * world).tensors
+    plain = models.build_model("mlp", seed=0)
+    want_units = _plain_units(plain, ["blocks.1", "blocks.2", "blocks.3"])
+    reference = models.build_model("mlp", seed=0)   # one process, the whole global batches
+    sgd = torch.optim.SGD(reference.parameters(), lr=FSDP1_LR)
+    for step in range(FSDP1_STEPS):
+        rows = slice(step * world * FSDP1_BATCH, (step + 1) * world * FSDP1_BATCH)
+        models.loss_fn("mlp", reference(x[rows]), y[rows]).backward()
+        sgd.step()
+        sgd.zero_grad()
+
+    modules, names = {id(m): n for n, m in plain.named_modules()}, [n for n, _ in plain.named_parameters()]
+    model = wrap(plain)
+    units = _fsdp1_units(model, modules, names)
+    optimizer = torch.optim.SGD(model.parameters(), lr=FSDP1_LR)
+    with _Collectives() as seen:
+        for step in range(FSDP1_STEPS):
+            rows = slice((step * world + rank) * FSDP1_BATCH, (step * world + rank + 1) * FSDP1_BATCH)
+            seen.phase = f"forward {step}"
+            loss = models.loss_fn("mlp", model(x[rows]), y[rows])
+            seen.phase = f"backward {step}"
+            loss.backward()
+            seen.phase = "step"
+            optimizer.step()
+            optimizer.zero_grad()
+    weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    last = FSDP1_STEPS - 1
+    return {"units": [(root, sorted(u)) for root, u in units], "want_units": [(root, sorted(u)) for root, u in want_units],
+            "fsdp": len(units), "forward": seen.count("all_gather", f"forward {last}"),
+            "backward": seen.count("all_gather", f"backward {last}"),
+            "all_reduce": seen.count("all_reduce"), "gather_dtypes": sorted(seen.dtypes("all_gather")),
+            "reduce_dtypes": sorted(seen.dtypes("reduce_scatter") | seen.dtypes("all_reduce")),
+            "difference": max((weights[k].float() - v).abs().max().item()
+                              for k, v in reference.state_dict().items())}
+
+
+@try_it("fsdp1", "4.2b", "FSDP1 with a size-based policy, kept gathered, bf16 gathers and fp32 reduction")
+def check_fsdp1(wrap, cluster) -> Report:
+    report = Report("")
+    units, kept = "the units are blocks 1-3 and the root", "parameters stay gathered from forward to backward"
+    dtypes, trains = "gathers in bf16, gradients reduced in fp32", "trains as one process does, to bf16's rounding"
+    got = _run(cluster, _fsdp1_on_rank, wrap)
+    if isinstance(got, RankFailure):
+        return _failed_run(report, got, [units, kept, dtypes, trains])
+    report.add("runs on every rank", True)
+    r = got[0]
+    seen = [(root, frozenset(u)) for root, u in r["units"]]
+    if not seen:
+        report.add(units, False, "the function did not return an FSDP1 model: FullyShardedDataParallel "
+                   "is the wrapper this cell is about")
+    elif seen == [(root, frozenset(u)) for root, u in r["want_units"]]:
+        report.add(units, True)
+    else:
+        report.add(units, False, f"FSDP made {_plural(len(seen), 'unit')} ({_describe_units(seen)}): a module "
+                   "becomes a unit when its parameters not yet in a unit reach the policy's threshold, "
+                   "children before parents. Which of the sizes in the cell must reach it, which not?")
+    if r["forward"] == 0:
+        report.add(kept, False, "forward all-gathered nothing: every rank held whole parameters, so "
+                   "nothing was sharded. Which strategy shards the parameters at rest?")
+    elif r["backward"] == 0 and r["forward"] == r["fsdp"]:
+        report.add(kept, True)
+    elif r["backward"]:
+        report.add(kept, False, f"backward all-gathered parameters again ({_plural(r['backward'], 'all-gather')} "
+                   f"after {r['forward']} in forward): the units freed them after forward. Which sharding "
+                   "strategy keeps them from forward to backward?")
+    else:
+        report.add(kept, False, f"forward ran {_plural(r['forward'], 'all-gather')} for "
+                   f"{_plural(r['fsdp'], 'unit')}: is each unit gathered once?")
+    gathers, reduces = r["gather_dtypes"], r["reduce_dtypes"]
+    if not gathers:
+        report.add(dtypes, None, "nothing was all-gathered, so the gathers' dtype cannot show: judged once "
+                   "the parameters are sharded")
+    elif gathers == ["bfloat16"] and reduces == ["float32"]:
+        report.add(dtypes, True)
+    else:
+        said = []
+        if gathers != ["bfloat16"]:
+            said.append(f"the parameters were all-gathered in {', '.join(gathers)}, so each gather moved "
+                        "4-byte elements where 2 would do")
+        if reduces != ["float32"]:
+            said.append(f"the gradients were reduced in {', '.join(reduces) or 'nothing'}, so every addition "
+                        "of the sum rounds to bf16's 8 bits of mantissa")
+        report.add(dtypes, False, "; ".join(said) + ". Which dtypes does FSDP1's mixed-precision "
+                   "setting take, one for the gathers and one for the reduction?")
+    worst = max(x["difference"] for x in got)
+    if worst < BF16_TOLERANCE:
+        report.add(trains, True)
+    else:
+        by = f"by up to {worst:.2g}, far more than bf16's rounding" if worst == worst else "and are not finite"
+        report.add(trains, False, f"after {FSDP1_STEPS} SGD steps the weights differ from one process's {by}: "
+                   "do all ranks train one model, with gradients averaged over them?")
+    return report
+
+
+# -------------------------------------------------------------------------------------- dcp
+DCP_STEPS, DCP_BATCH, DCP_LR = 2, 8, 1e-2   # steps before the checkpoint, samples per rank
+
+
+def _dcp_step(model, optimizer, step, x, y):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows = slice((step * world + rank) * DCP_BATCH, (step * world + rank + 1) * DCP_BATCH)
+    models.loss_fn("mlp", model(x[rows]), y[rows]).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _full_state(model, optimizer) -> tuple[dict, dict]:
+    """The model's full weights and the optimizer's full state, under the plain model's names."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    options = StateDictOptions(full_state_dict=True)
+    weights = get_model_state_dict(model, options=options)
+    state = get_optimizer_state_dict(model, optimizer, options=options)["state"]
+    return ({k: v.detach().clone() for k, v in weights.items()},
+            {k: {s: v.detach().clone() for s, v in per.items()} for k, per in state.items()})
+
+
+def _dcp_on_rank(checkpoint, folder):
+    with _quiet():
+        return _dcp_run(checkpoint, folder)
+
+
+def _dcp_run(checkpoint, folder):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, fully_shard
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    world = dist.get_world_size()
+    x, y = models.make_dataset("mlp", (DCP_STEPS + 1) * DCP_BATCH * world).tensors
+    # the saver: fully_shard (each parameter a DTensor sharded on dim 0), AdamW, 2 steps
+    mesh = init_device_mesh("cpu", (world,))
+    saver = models.build_model("mlp", seed=0)
+    for block in saver.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(saver, mesh=mesh)
+    optimizer = torch.optim.AdamW(saver.parameters(), lr=DCP_LR)
+    for step in range(DCP_STEPS):
+        _dcp_step(saver, optimizer, step, x, y)
+    saved_weights, saved_state = _full_state(saver, optimizer)
+    checkpoint.save(saver, optimizer, folder)
+    dist.barrier()
+    _dcp_step(saver, optimizer, DCP_STEPS, x, y)         # the uninterrupted run's next step
+    want, _ = _full_state(saver, optimizer)
+
+    # the loader: FSDP1 over a model with other weights (flat parameters, sharded otherwise)
+    plain = models.build_model("mlp", seed=1)
+    loader = FSDP(plain, device_id=torch.device("cpu"), auto_wrap_policy=ModuleWrapPolicy({models.MLPBlock}))
+    resumed = torch.optim.AdamW(loader.parameters(), lr=DCP_LR)
+    checkpoint.load(loader, resumed, folder)
+    weights, state = _full_state(loader, resumed)
+    _dcp_step(loader, resumed, DCP_STEPS, x, y)
+    after, _ = _full_state(loader, resumed)
+    return {"weights": _close([weights.get(k, torch.full_like(v, float("nan"))) for k, v in saved_weights.items()],
+                              list(saved_weights.values())),
+            "state": _compare_state(state, saved_state),
+            "next": max((after[k] - v).abs().max().item() for k, v in want.items())}
+
+
+def _compare_state(state: dict, saved: dict) -> str:
+    """"" when ``state`` is ``saved``; else what differs, in words."""
+    if not any(state.values()):
+        return "empty: the optimizer holds no moments and no step count"
+    steps = {float(per["step"]) for per in state.values() if "step" in per}
+    want_steps = {float(per["step"]) for per in saved.values() if "step" in per}
+    if steps != want_steps:
+        fresh = ", what the state-dict API gives a fresh optimizer," if steps == {1.0} else ""
+        return f"its step count is {', '.join(f'{s:g}' for s in sorted(steps))}{fresh} not the saved one"
+    for fqn, per in saved.items():
+        mine = state.get(fqn, {})
+        for key, value in per.items():
+            if key not in mine or not torch.allclose(mine[key].float(), value.float(), rtol=RTOL, atol=ATOL):
+                zero = key in mine and not mine[key].abs().max().item()
+                return f"its {key} of {fqn} {'is all zeros' if zero else 'differs from the saved one'}"
+    return ""
+
+
+@try_it("dcp", "4.2b", "a DCP checkpoint of model and optimizer, resumed sharded otherwise")
+def check_dcp(checkpoint, cluster) -> Report:
+    report = Report("")
+    weights, state = "after load, the weights are the saved ones", "after load, the optimizer's state is the saved one"
+    step = "the next step equals the uninterrupted run's"
+    missing = [m for m in ("save", "load") if not callable(getattr(checkpoint, m, None))]
+    if missing:
+        report.add("runs on every rank", False, f"the class has no {' and no '.join(missing)} to call")
+        for name in (weights, state, step):
+            report.add(name, None, JUDGED_LATER)
+        return report
+    folder = tempfile.mkdtemp(prefix="dpcourse-dcp-")   # fresh: DCP warns when it overwrites
+    try:
+        got = _run(cluster, _dcp_on_rank, checkpoint, folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    if isinstance(got, RankFailure):
+        return _failed_run(report, got, [weights, state, step])
+    report.add("runs on every rank", True)
+    if all(r["weights"] for r in got):
+        report.add(weights, True)
+    else:
+        report.add(weights, False, "the resumed model's weights are not the ones saved (it was built with "
+                   "other weights): does load put what it read into the model, and was the model saved?")
+    problems = [r["state"] for r in got if r["state"]]
+    if not problems:
+        report.add(state, True)
+    else:
+        report.add(state, False, f"after load the optimizer's state is {problems[0]}"
+                   if problems[0].startswith("empty") else f"after load, the optimizer's state differs: "
+                   f"{problems[0]}. AdamW's moments and step count decide the next update: are they saved, "
+                   "read back and put into the new optimizer?")
+    worst = max(r["next"] for r in got)
+    if worst < 1e-5:
+        report.add(step, True)
+    else:
+        report.add(step, False, f"after the next step the weights differ from the uninterrupted run's by up to "
+                   f"{worst:.2g}: the resumed run does not continue where the saved one stopped")
+    return report
+
+
+# ---------------------------------------------------------------------------- gradient_sync
+SYNC_MICRO_BATCHES, SYNC_MICRO = 3, 4   # micro-batches per rank and step, samples in each
+
+
+def _accumulate_on_rank(accumulate):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    share = SYNC_MICRO_BATCHES * SYNC_MICRO
+    x, y = models.make_dataset("mlp", share * world).tensors
+    mine = slice(rank * share, (rank + 1) * share)
+    micro_batches = list(zip(x[mine].chunk(SYNC_MICRO_BATCHES), y[mine].chunk(SYNC_MICRO_BATCHES)))
+    reference = models.build_model("mlp", seed=0)
+    models.loss_fn("mlp", reference(x), y).backward()
+    want = [p.grad for p in reference.parameters()]
+    local = models.build_model("mlp", seed=0)          # this rank's own samples only
+    models.loss_fn("mlp", local(x[mine]), y[mine]).backward()
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = models.build_model("mlp", seed=0)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    units = len(model.blocks) + 1
+    with _Collectives() as seen:
+        accumulate(model, micro_batches)
+    grads = [torch.zeros(p.shape) if p.grad is None else _full(p.grad) for p in model.parameters()]
+    return {"reduce_scatter": seen.count("reduce_scatter"), "units": units, "grads": grads, "want": want,
+            "local": [p.grad for p in local.parameters()], "empty": all(p.grad is None for p in model.parameters())}
+
+
+@try_it("gradient_sync", "4.2b", f"{SYNC_MICRO_BATCHES} micro-batches per step under fully_shard, one reduce-scatter")
+def check_gradient_sync(accumulate, cluster) -> Report:
+    report = Report("")
+    once, same = "FSDP reduce-scatters each unit once per step", "gradients equal one process's on the global batch"
+    got = _run(cluster, _accumulate_on_rank, accumulate)
+    if isinstance(got, RankFailure):
+        return _failed_run(report, got, [once, same])
+    report.add("runs on every rank", True)
+    r = got[0]
+    syncs = r["reduce_scatter"] / r["units"]
+    if syncs == 1:
+        report.add(once, True)
+    elif syncs == 0:
+        report.add(once, False, "no reduce-scatter ran at all: every micro-batch's backward ran with the "
+                   "gradient synchronisation off, so the gradients stayed unsharded on each rank, never "
+                   "averaged over the ranks. Is synchronisation back on for the last backward?")
+    else:
+        report.add(once, False, f"FSDP reduce-scattered the gradients {syncs:g} times for "
+                   f"{SYNC_MICRO_BATCHES} micro-batches: it synchronised after micro-batches whose gradients "
+                   "were not final yet. What lets a backward only add to the unsharded gradients, without "
+                   "communicating?")
+    if all(_close(x["grads"], x["want"]) for x in got):
+        report.add(same, True)
+    elif r["empty"]:
+        report.add(same, False, "the parameters' .grad are empty: FSDP2 keeps the accumulated unsharded "
+                   "gradients aside and writes .grad only when a backward reduce-scatters them")
+    else:
+        ratio = _ratio(r["grads"], r["want"])
+        scale = (f"about {ratio:.2g} times the right size: how much should each micro-batch's loss count, "
+                 "if the step is to see the mean over all of them?" if abs(ratio - 1) > 0.05
+                 else "they differ from it: is every micro-batch's loss part of the gradient, once, and "
+                      "reduce-scattered after the last one?")
+        report.add(same, False, scale)
+    return report
