@@ -16,6 +16,10 @@ almost does).
     FlatParameter._local_shard, _saved_grad_shard,   observe.Memory            FSDP1's flat shards, by category
       _full_param_padded
     FSDPModule._get_fsdp_state()._fsdp_param_group   observe.Memory            FSDP2's unsharded parameters
+      and its offload_policy                         4.2c's offload_clip       whether a unit offloads to CPU
+                                                     try-it                    (on a CPU-only machine nothing
+                                                                               public shows it: same device)
+    MemTracker (above)                               4.2c's meta_init try-it   the peak bytes a rank allocated
     Variable._execution_engine.queue_callback        observe.Timeline,         run code when backward ends (what
                                                      scratch DDP/FSDP          DDP's reducer does; public: none)
     torch._C._AutoDispatchBelowAutograd              pool's tracker            call a c10d operator's own kernel
@@ -115,6 +119,16 @@ def queue_backward_callback(fn) -> None:
                      "running code when backward ends")
     _member(engine, "queue_callback", "Variable._execution_engine.queue_callback",
             "running code when backward ends")(fn)
+
+
+def fsdp2_offload_policy(module):
+    """The offload policy FSDP2 applies to a ``fully_shard``-ed module's parameters (None if the
+    module shards none). Public: where the shards live, which on a CPU-only machine is the CPU
+    with or without offloading."""
+    group = fsdp2_param_group(module)
+    if group is None:
+        return None
+    return _member(group, "offload_policy", "FSDPParamGroup.offload_policy", "4.2c's offload_clip check")
 
 
 # --- the pool ------------------------------------------------------------------------------

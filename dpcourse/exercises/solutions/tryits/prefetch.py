@@ -1,0 +1,7 @@
+def prefetch_ahead(model):
+    # model: each of model.blocks and then the root are fully_shard-ed. Have FSDP issue each
+    # block's forward all-gather two blocks early: when block i starts computing, the gathers
+    # of blocks i+1 and i+2 have been issued. Nothing to return.
+    blocks = list(model.blocks)
+    for i, block in enumerate(blocks):
+        block.set_modules_to_forward_prefetch(blocks[i + 1:i + 3])
