@@ -22,6 +22,9 @@ almost does).
     MemTracker (above)                               4.2c's meta_init try-it   the peak bytes a rank allocated
     Variable._execution_engine.queue_callback        observe.Timeline,         run code when backward ends (what
                                                      scratch DDP/FSDP          DDP's reducer does; public: none)
+    DistributedDataParallel                          4.2d's sync_batchnorm     SyncBatchNorm on CPU ranks: its
+      ._passing_sync_batchnorm_handle and            try-it                    two refusals of a CPU, lifted
+      torch._C._get_privateuse1_backend_name                                   for one call (public: none)
     torch._C._AutoDispatchBelowAutograd              pool's tracker            call a c10d operator's own kernel
     Work._source_rank                                pool's tracker            the sender of an irecv(src=None)
     distributed_c10d._world.pg_map                   pool's process group      every group a call destroyed
@@ -35,6 +38,7 @@ Exercise E's reference solution, which the learner reads as PyTorch code, writes
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 
 TESTED = "2.13"
@@ -175,3 +179,38 @@ def process_groups() -> list:
     world = _member(c10d, "_world", "torch.distributed.distributed_c10d._world", "the pool's group keeping")
     return list(_member(world, "pg_map", "torch.distributed.distributed_c10d._world.pg_map",
                         "the pool's group keeping"))
+
+
+# --- SyncBatchNorm on a CPU (4.2d's sync_batchnorm try-it) ----------------------------------
+
+@contextlib.contextmanager
+def sync_batchnorm_accepts_cpu():
+    """While the block runs, in this process: DDP wraps a model holding SyncBatchNorm on a CPU
+    (its ``_passing_sync_batchnorm_handle`` only refuses one), and SyncBatchNorm's forward takes
+    a CPU input (its device check accepts the name ``_get_privateuse1_backend_name`` returns:
+    "cpu", for the length of the forward). The kernels its autograd function then calls have no
+    CPU implementation in this build: the caller provides them."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    purpose = "4.2d's sync_batchnorm check (SyncBatchNorm on CPU ranks)"
+    refusal = _member(DDP, "_passing_sync_batchnorm_handle",
+                      "DistributedDataParallel._passing_sync_batchnorm_handle", purpose)
+    backend_name = _member(torch._C, "_get_privateuse1_backend_name",
+                           "torch._C._get_privateuse1_backend_name", purpose)
+    forward = torch.nn.SyncBatchNorm.forward
+
+    def forward_on_cpu(self, input):
+        torch._C._get_privateuse1_backend_name = lambda: "cpu"
+        try:
+            return forward(self, input)
+        finally:
+            torch._C._get_privateuse1_backend_name = backend_name
+
+    torch.nn.SyncBatchNorm.forward = forward_on_cpu
+    DDP._passing_sync_batchnorm_handle = lambda self, module: None
+    try:
+        yield
+    finally:
+        torch.nn.SyncBatchNorm.forward = forward
+        DDP._passing_sync_batchnorm_handle = refusal

@@ -14,7 +14,8 @@ from dpcourse import torch_private as tp
 PACKAGE = Path(__file__).resolve().parent.parent / "dpcourse"
 PRIVATE = re.compile(r"_pytree|_execution_engine|_AutoDispatchBelowAutograd|_source_rank|c10d\._world|"
                      r"_get_ddp_logging_data|\._comm_hooks|_local_shard|_saved_grad_shard|_full_param_padded|"
-                     r"_get_fsdp_state|_fsdp_param_group|distributed\._tools|\._type\(\)|\._version\b|\._base\b")
+                     r"_get_fsdp_state|_fsdp_param_group|distributed\._tools|\._type\(\)|\._version\b|\._base\b|"
+                     r"_passing_sync_batchnorm_handle|_get_privateuse1_backend_name")
 
 
 def test_no_private_pytorch_name_outside_its_one_module():
@@ -58,6 +59,10 @@ def _owner(path: str):
      tp.process_groups),
     ("torch.autograd:Variable", "_execution_engine", "torch.autograd.Variable._execution_engine",
      lambda: tp.queue_backward_callback(lambda: None)),
+    ("torch.nn.parallel:DistributedDataParallel", "_passing_sync_batchnorm_handle",
+     "DistributedDataParallel._passing_sync_batchnorm_handle", lambda: tp.sync_batchnorm_accepts_cpu().__enter__()),
+    ("torch._C", "_get_privateuse1_backend_name", "torch._C._get_privateuse1_backend_name",
+     lambda: tp.sync_batchnorm_accepts_cpu().__enter__()),
 ], ids=lambda v: v if isinstance(v, str) and "." not in v and ":" not in v else None)
 def test_each_missing_name_is_named_with_both_releases(monkeypatch, owner, attr, name, call):
     monkeypatch.delattr(_owner(owner), attr)
