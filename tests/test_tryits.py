@@ -66,6 +66,11 @@ def _define(path, source: str, answer: str):
     return namespace[answer]
 
 
+def _blanks(source: str) -> int:
+    """``...`` placeholders in a cell's code (an ellipsis in a comment is none)."""
+    return sum(isinstance(n, ast.Constant) and n.value is Ellipsis for n in ast.walk(ast.parse(source)))
+
+
 def _given(cell) -> str:
     return "".join(cell["source"])
 
@@ -89,7 +94,7 @@ def test_there_are_try_its_and_each_cell_is_what_the_package_holds():
         assert _reference(cell) == dpc.exercises.solution(name), f"{name}: metadata and package differ"
         assert path.name.startswith(chapter), f"{name}: checked as chapter {chapter} in {path.name}"
         assert tryits.load_all()[name].chapter == chapter
-        assert "..." in _given(cell) and "..." not in _reference(cell), name
+        assert _blanks(_given(cell)) and not _blanks(_reference(cell)), name
         assert name in VARIANTS and VARIANTS[name]["mistakes"], f"{name}: no typical mistake is tested"
     assert set(IDS) == set(tryits.load_all()), "a registered try-it has no cell, or a cell no checker"
 
