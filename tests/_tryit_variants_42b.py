@@ -106,3 +106,25 @@ VARIANTS = {
         ],
     },
 }
+
+VARIANTS["mixed_precision"] = {
+    "mistakes": [
+        ("no output dtype: the head gets bf16", [(",\n                                   output_dtype=torch.float32)", ")")],
+         "what dtype should a block's output leave it in"),
+        ("the root in bf16 too", [("    return fully_shard(model, mesh=mesh)", "    return fully_shard(model, mesh=mesh, mp_policy=in_bf16)")],
+         "Where does the dtype change"),
+        ("reductions in bf16", [("reduce_dtype=torch.float32", "reduce_dtype=torch.bfloat16")], "reduce-scatters carried bfloat16"),
+    ],
+    "correct": [
+        ("a policy per block built in the loop, the root given an fp32 policy",
+         [("    in_bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,\n"
+           "                                   output_dtype=torch.float32)\n"
+           "    for block in model.blocks:\n"
+           "        fully_shard(block, mesh=mesh, mp_policy=in_bf16)\n"
+           "    return fully_shard(model, mesh=mesh)",
+           "    for i in range(len(model.blocks)):\n"
+           "        policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32, torch.float32)\n"
+           "        fully_shard(model.blocks[i], mesh=mesh, mp_policy=policy)\n"
+           "    fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32))")]),
+    ],
+}
