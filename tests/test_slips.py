@@ -93,8 +93,21 @@ def test_5_ddp_broadcasts_rank_0s_buffers_before_every_forward(cluster2):
     assert "`broadcast_buffers=True`" in text and "running statistics" in text
 
 
-def test_6_the_alpha_figures_name_the_nccl_version_they_come_from():
-    source = Path(alpha_beta.__file__).read_text()
-    assert re.search(r"tuning\.cc.{0,80}NCCL 2\.18[–-]2\.21", " ".join(source.split()))
+# NCCL's src/graph/tuning.cc, read at each tag: hwLat's ring/Simple latency per ring step (us) on
+# NVLink, PCI and the network, and baseLat's ring/Simple (us per collective). From v2.28.3-1 on
+# the table is ncclTunerConstantsDefaults' hwLatencies/baseLatencies, with the same values.
+NCCL_RING_SIMPLE = {"v2.17.1-1": (3.4, 5.7, 9.6, 8.4), "v2.18.1-1": (3.4, 5.7, 14.0, 8.4),
+                    "v2.22.3-1": (3.4, 5.7, 14.0, 8.4), "v2.27.7-1": (3.4, 5.7, 14.0, 8.4),
+                    "v2.30.7-1": (3.4, 5.7, 14.0, 8.4)}
+
+
+def test_6_the_alpha_figures_are_nccls_at_the_releases_named_with_its_base_latency_said():
+    nvlink, pci, net, base = NCCL_RING_SIMPLE["v2.18.1-1"]
+    assert all(NCCL_RING_SIMPLE[tag] == (nvlink, pci, net, base) for tag in NCCL_RING_SIMPLE if tag >= "v2.18")
+    links = alpha_beta.LINKS
+    assert [round(links[k].alpha * 1e6, 6) for k in ("nvlink4", "pcie4", "ib_ndr")] == [nvlink, pci, net]
+    source = " ".join(Path(alpha_beta.__file__).read_text().split())
+    assert "v2.18.1-1" in source and "baseLat" in source and f"{base} us" in source
     text = " ".join(prose("4.2b-fsdp.ipynb").split())
-    assert re.search(r"tuning\.cc.{0,120}NCCL 2\.18–2\.21", text)
+    assert f"{net} µs across the network" in text and "`v2.18.1-1`" in text
+    assert "`baseLat`" in text and f"{base} µs per collective" in text

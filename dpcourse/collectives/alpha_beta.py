@@ -43,9 +43,11 @@ def time_all_reduce(sizes_bytes, repeats: int = 20) -> dict:
 # Each link is what one GPU sends on in a ring, one direction (bytes/s), and a latency per
 # ring step (message). Bandwidths are the vendors' peak figures, so real collectives are
 # slower (nccl-tests' busbw stays below them); latencies are the per-step hardware latencies
-# of NCCL's own cost model for a ring with its Simple protocol (src/graph/tuning.cc, hwLat, as in
-# NCCL 2.18-2.21; other versions tune these constants differently; NCCL adds a base latency per
-# collective, 8.4 us in that table, left out here).
+# of NCCL's own cost model for a ring with its Simple protocol (src/graph/tuning.cc, hwLat; the
+# same NVLink 3.4, PCI 5.7 and NET 14.0 us from NCCL 2.18 (tag v2.18.1-1) through 2.30 (v2.30.7-1),
+# where the table moved into ncclTunerConstantsDefaults; up to 2.17 NET was 9.6 us). NCCL also
+# adds a base latency per collective, baseLat, 8.4 us for ring/Simple in all of them: left out
+# here, since it is paid once per collective, not per ring step.
 
 
 @dataclass(frozen=True)
@@ -66,9 +68,9 @@ LINKS = {
     "nvlink4": Link("NVLink 4 (H100 SXM)", 3.4e-6, 450e9,
                     "NVIDIA H100 datasheet: NVLink 900 GB/s per GPU, both directions together -> "
                     "450 GB/s per direction; alpha: NCCL tuning.cc hwLat, NVLink, ring/Simple, 3.4 us"),
-    "ib_ndr": Link("InfiniBand NDR 400 Gb/s", 9.6e-6, 50e9,
+    "ib_ndr": Link("InfiniBand NDR 400 Gb/s", 14.0e-6, 50e9,
                    "NVIDIA ConnectX-7 / Quantum-2 NDR: 400 Gb/s = 50 GB/s per port and direction, one "
-                   "port per GPU as in a DGX H100; alpha: NCCL tuning.cc hwLat, NET, ring/Simple, 9.6 us"),
+                   "port per GPU as in a DGX H100; alpha: NCCL tuning.cc hwLat, NET, ring/Simple, 14.0 us"),
 }
 # Dense BF16 tensor-core peak of one H100 SXM, FLOP/s (its datasheet: 1,979 TFLOPS with sparsity).
 H100_BF16_FLOPS = 989e12
