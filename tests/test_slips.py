@@ -79,7 +79,7 @@ def _buffer_after_forward():
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     model = torch.nn.BatchNorm1d(3)
-    ddp = DDP(model)  # broadcast_buffers=True by default
+    ddp = DDP(model)  # forward_sync_buffers (formerly broadcast_buffers) defaults to True
     with torch.no_grad():
         model.running_mean.fill_(float(dist.get_rank() + 1))  # the ranks' buffers now differ
     ddp(torch.randn(4, 3))  # DDP broadcasts rank 0's buffers before this forward
@@ -89,8 +89,10 @@ def _buffer_after_forward():
 def test_5_ddp_broadcasts_rank_0s_buffers_before_every_forward(cluster2):
     (mean0, n0), (mean1, n1) = cluster2.run(_buffer_after_forward)
     assert torch.equal(mean0, mean1) and n0 == n1  # rank 1 started from rank 0's 1.0, not its own 2.0
-    text = " ".join(prose("4.1-data-parallelism-in-depth.ipynb").split())
-    assert "`broadcast_buffers=True`" in text and "running statistics" in text
+    for name in ("4.1-data-parallelism-in-depth.ipynb", "4.2d-launching-faults-and-pitfalls.ipynb"):
+        text = " ".join(prose(name).split())
+        assert "`forward_sync_buffers`" in text and "running statistics" in text, name
+        assert "broadcast_buffers=True" not in text and "deprecate" in text, name   # the 2.13 name
 
 
 # NCCL's src/graph/tuning.cc, read at each tag: hwLat's ring/Simple latency per ring step (us) on
