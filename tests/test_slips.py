@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import dpcourse as dpc
 from dpcourse.collectives import alpha_beta
 
 pytestmark = pytest.mark.timeout(180)
@@ -113,3 +114,99 @@ def test_6_the_alpha_figures_are_nccls_at_the_releases_named_with_its_base_laten
     text = " ".join(prose("4.2b-fsdp.ipynb").split())
     assert f"{net} µs across the network" in text and "`v2.18.1-1`" in text
     assert "`baseLat`" in text and f"{base} µs per collective" in text
+
+
+def _hybrid_without_a_mesh():
+    import warnings
+
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    blocks = ModuleWrapPolicy({type(dpc.models.build_model("mlp").blocks[0])})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = FSDP(dpc.models.build_model("mlp"), sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+                     auto_wrap_policy=blocks, device_id=torch.device("cpu"))
+    local = sum(p.numel() for p in model.parameters())
+    return [str(w.message) for w in caught], local, sum(p.numel() for p in dpc.models.build_model("mlp").parameters())
+
+
+def test_28_3_hybrid_shard_without_a_mesh_falls_back_to_no_shard_on_cpu_ranks(cluster2):
+    messages, local, whole = cluster2.run(_hybrid_without_a_mesh)[0]
+    assert any("NO_SHARD" in m and "world size is 1" in m for m in messages), messages
+    assert local >= whole   # nothing sharded: each rank holds the whole model
+    text = " ".join(prose("4.2b-fsdp.ipynb").split())
+    assert "falls back to `NO_SHARD`" in text and "FULL_SHARD` under another name" not in text
+
+
+def test_28_4_the_dcp_section_the_faults_section_points_to_is_in_4_2b():
+    text = " ".join(prose("4.2d-launching-faults-and-pitfalls.ipynb").split())
+    assert "`dcp.save`, as in 4.2b" in text
+    code = "\n".join("".join(c["source"]) for c in json.loads((NOTEBOOKS / "4.2b-fsdp.ipynb").read_text())["cells"]
+                     if c["cell_type"] == "code")
+    assert "dcp.save(" in code
+
+
+def _send_returns_after(delay: float = 1.0):
+    import time
+
+    t = torch.ones(1024)
+    if dist.get_rank() == 0:
+        start = time.perf_counter()
+        dist.send(t, dst=1)
+        return time.perf_counter() - start
+    time.sleep(delay)
+    dist.recv(t, src=0)
+
+
+def test_28_5_a_gloo_send_waits_for_the_receiver_and_the_text_says_what_each_backend_does(cluster2):
+    assert cluster2.run(_send_returns_after)[0] >= 0.9
+    text = " ".join(prose("4.2a-communication-and-ddp.ipynb").split())
+    assert "on Gloo, once the matching `recv` is posted" in text and "queued on the GPU's stream" in text
+    assert "blocks until the matching `dist.recv(t, src)` has received it" not in text
+
+
+def test_28_6_bf16_on_a_cpu_is_not_said_to_lack_units():
+    text = " ".join(prose("4.2b-fsdp.ipynb").split())
+    assert "no bf16 units" not in text and "`avx512_bf16`" in text
+
+
+def test_28_7_one_unit_per_word_gb_is_10_to_the_9_and_ddp_buckets_are_mib():
+    for name in ("4.1-data-parallelism-in-depth.ipynb", "4.2d-launching-faults-and-pitfalls.ipynb"):
+        code = "\n".join("".join(c["source"]) for c in json.loads((NOTEBOOKS / name).read_text())["cells"]
+                         if c["cell_type"] == "code")
+        assert "80 * 2**30" not in code and "80 * 10**9" in code, name
+    text = prose("4.2b-fsdp.ipynb")
+    assert "25 MB" not in text and "25 MiB" in text
+
+
+def _gathers_per_micro_batch(keep: bool):
+    from torch.distributed.fsdp import fully_shard
+
+    from dpcourse.pool.tracker import TRACKER
+
+    model = dpc.models.build_model("mlp", seed=0)
+    for block in model.blocks:
+        fully_shard(block, reshard_after_forward=not keep)
+    fully_shard(model, reshard_after_forward=not keep)
+    x, y = dpc.models.make_dataset("mlp", 12).tensors
+    model.set_requires_gradient_sync(False)
+    model.set_reshard_after_backward(not keep)
+    seen, counts = [], []
+    with TRACKER.listen(lambda call: seen.append(call.collective)):
+        for i in range(3):
+            if i == 2:
+                model.set_requires_gradient_sync(True)
+                model.set_reshard_after_backward(True)
+            before = len(seen)
+            torch.nn.functional.mse_loss(model(x[i * 4:(i + 1) * 4]), y[i * 4:(i + 1) * 4]).backward()
+            counts.append(seen[before:].count("all_gather"))
+    return counts
+
+
+def test_28_8_accumulation_under_full_shard_gathers_again_every_micro_batch_unless_kept(cluster2):
+    units = 1 + len(dpc.models.build_model("mlp").blocks)
+    assert cluster2.run(_gathers_per_micro_batch, False)[0] == [2 * units] * 3   # forward and backward, each time
+    assert cluster2.run(_gathers_per_micro_batch, True)[0] == [units, 0, 0]      # gathered once, kept
+    text = " ".join(prose("4.2b-fsdp.ipynb").split())
+    assert "only the reduce-scatter is skipped" in text and "set_reshard_after_backward(False)" in text
