@@ -9,5 +9,6 @@ from _tryit_variants_42a import VARIANTS as _42A
 from _tryit_variants_42b import VARIANTS as _42B
 from _tryit_variants_42c import VARIANTS as _42C
 from _tryit_variants_42d import VARIANTS as _42D
+from _tryit_variants_42e import VARIANTS as _42E
 
-VARIANTS = {**_42A, **_42B, **_42C, **_42D}
+VARIANTS = {**_42A, **_42B, **_42C, **_42D, **_42E}

@@ -26,7 +26,7 @@ from ..ranks import blanks_in
 from ..report import Report
 
 # the module of checkers for each chapter (imported when one of its try-its is checked)
-MODULES = {"4.2a": "ddp", "4.2b": "fsdp", "4.2c": "large_models", "4.2d": "pitfalls"}
+MODULES = {"4.2a": "ddp", "4.2b": "fsdp", "4.2c": "large_models", "4.2d": "pitfalls", "4.2e": "at_work"}
 SOLUTIONS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "solutions", "tryits")
 
 
