@@ -8,6 +8,14 @@ VARIANTS = {
             ("the loss is not divided", [(" / len(micro_batches)", "")], "4 times the right size"),
             ("no micro-batch synchronises", [("contextlib.nullcontext() if last else ddp_model.no_sync()",
                                               "ddp_model.no_sync()")], "never averaged"),
+            ("the forward outside no_sync, only the backward in it", [
+                ("        with contextlib.nullcontext() if last else ddp_model.no_sync():\n"
+                 "            loss = F.mse_loss(ddp_model(x), y) / len(micro_batches)\n",
+                 "        loss = F.mse_loss(ddp_model(x), y) / len(micro_batches)\n"
+                 "        with contextlib.nullcontext() if last else ddp_model.no_sync():\n")],
+             "DDP decides that in forward"),
+            ("the sync on the first micro-batch, not the last", [("last = i == len(micro_batches) - 1", "last = i == 0")],
+             "After which micro-batch's backward"),
         ],
         "correct": [
             ("an ExitStack and a running sum of the loss", [
@@ -71,6 +79,7 @@ VARIANTS = {
         "mistakes": [
             ("the sum, not the mean", [("(grads / dist.get_world_size())", "grads")], "2 times the right size"),
             ("all-reduced in float32", [(".to(torch.bfloat16)", "")], "full precision"),
+            ("float16, not bf16", [(".to(torch.bfloat16)", ".to(torch.float16)")], "float16, not bf16"),
             ("the bf16 result handed back", [("grads.copy_(fut.value()[0])", "fut.value()[0]")], "bfloat16 value"),
             ("the hook never registered", [("    ddp_model.register_comm_hook(None, hook)", "    hook")],
              "no comm hook was registered"),

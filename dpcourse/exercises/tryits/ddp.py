@@ -99,7 +99,8 @@ def check_no_sync(accumulate, cluster) -> Report:
         report.add("DDP all-reduces once per optimizer step", False,
                    f"DDP all-reduced the gradients {syncs:g} times for {MICRO_BATCHES} micro-batches: it "
                    "synchronised after micro-batches whose gradients were not final yet. What lets "
-                   "backward only add to .grad, without communicating?")
+                   "backward only add to .grad, without communicating -- and DDP decides that in "
+                   "forward: does each micro-batch's forward run where it should?")
     name = "gradients equal one process's on the global batch"
     if all(_same(x["grads"], x["want"]) for x in got):
         report.add(name, True)
@@ -109,10 +110,16 @@ def check_no_sync(accumulate, cluster) -> Report:
                                 "micro-batch's backward must be the one DDP averages over the ranks")
     else:
         ratio = _ratio(r["grads"], r["want"])
-        scale = (f"about {ratio:.2g} times the right size: how much should each micro-batch's loss "
-                 "count, if the step is to see the mean over all of them?" if abs(ratio - 1) > 0.05
-                 else "they differ from it: is every micro-batch's loss part of the gradient, once?")
-        report.add(name, False, scale)
+        if abs(ratio - 1) > 0.05:
+            detail = (f"about {ratio:.2g} times the right size: how much should each micro-batch's loss "
+                      "count, if the step is to see the mean over all of them?")
+        elif syncs == 1:
+            detail = ("DDP all-reduced once, but not the whole step's gradient: the all-reduce averages "
+                      "what .grad holds when it runs, and the micro-batches after it stayed this rank's "
+                      "own. After which micro-batch's backward must it run?")
+        else:
+            detail = "they differ from it: is every micro-batch's loss part of the gradient, once?"
+        report.add(name, False, detail)
     return report
 
 
@@ -530,6 +537,11 @@ def check_comm_hook(register_bf16_hook, cluster) -> Report:
                                 "sent its bucket to the others")
     elif dtypes == ["bfloat16"] and 2 * hooked_bytes == plain_bytes:
         report.add(wire, True)
+    elif dtypes == ["float16"]:
+        report.add(wire, False, f"the buckets travelled in float16, not bf16 ({hooked_bytes:,} bytes: half, "
+                                "as asked): float16 keeps more mantissa bits but a far smaller range, so "
+                                "large gradients overflow to inf where bf16 keeps float32's range. Which "
+                                "16-bit dtype did the cell ask for?")
     elif dtypes != ["bfloat16"]:
         report.add(wire, False, f"the bucket travelled in full precision ({', '.join(dtypes)}, "
                                 f"{hooked_bytes:,} bytes; DDP's own all-reduce sends {plain_bytes:,}): "
