@@ -1,7 +1,7 @@
 """4.2d's try-its: answers written apart from the references (see _tryit_variants.py)."""
 
 _CONVERT = "    model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)\n"
-_JOIN_LOOP = ("    with Join([ddp_model]):\n"
+_JOIN_LOOP = ("    with Join([ddp_model], divide_by_initial_world_size=False):\n"
               "        for x, y in batches:\n"
               "            F.mse_loss(ddp_model(x), y).backward()\n"
               "            optimizer.step()\n"
@@ -30,7 +30,7 @@ VARIANTS = {
     },
     "join": {
         "mistakes": [
-            ("no Join: the longer rank hangs", [("    with Join([ddp_model]):\n", "    if True:\n")],
+            ("no Join: the longer rank hangs", [("    with Join([ddp_model], divide_by_initial_world_size=False):\n", "    if True:\n")],
              "different numbers of all-reduces"),
             ("every rank stops at the shortest count", [(_JOIN_LOOP,
                 "    n = torch.tensor(len(batches))\n"
@@ -39,11 +39,14 @@ VARIANTS = {
                 "        F.mse_loss(ddp_model(x), y).backward()\n"
                 "        optimizer.step()\n"
                 "        optimizer.zero_grad()\n")], "never trained on"),
-            ("Join without the model as a joinable", [("Join([ddp_model])", "Join([optimizer])")], "join_hook"),
+            ("Join without the model as a joinable", [("Join([ddp_model], ", "Join([optimizer], ")], "join_hook"),
+            ("the finished rank's zeros counted", [("Join([ddp_model], divide_by_initial_world_size=False)", "Join([ddp_model])")],
+             "counting as zeros"),
+            ("gradients left over from earlier batches", [("            optimizer.zero_grad()\n", "")], "left over"),
         ],
         "correct": [
-            ("DDP's own join()", [("    with Join([ddp_model]):\n", "    with ddp_model.join():\n")]),
-            ("Join dividing by the ranks still training", [("Join([ddp_model])", "Join([ddp_model], divide_by_initial_world_size=False)")]),
+            ("DDP's own join()", [("Join([ddp_model], divide_by_initial_world_size=False)",
+                                   "ddp_model.join(divide_by_initial_world_size=False)")]),
         ],
     },
 }

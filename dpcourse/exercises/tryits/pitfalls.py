@@ -353,13 +353,14 @@ def _simulate_join(world: int, divide_by_initial_world_size: bool = True):
     return dict(model.named_parameters())
 
 
-@try_it("join", "4.2d", "DDP through uneven batches per rank, every batch trained on")
+@try_it("join", "4.2d", "DDP through uneven batches per rank, averaged over the ranks still training")
 def check_join(train, cluster) -> Report:
     report = Report("")
     runs = "runs on every rank and finishes"
     steps_name = "each rank takes one optimizer step per batch of its own"
     equal_name = "the final weights are equal on every rank"
-    want_name = "the final weights equal one process's training on every rank's batches"
+    want_name = ("the final weights equal one process's training on every rank's batches, each step "
+                 "averaged over the ranks still training")
     _warm_up(cluster)
     got = run_or_failure(cluster, _join_on_rank, train, timeout=JOIN_TIMEOUT)
     counts = _join_counts(cluster.world_size)
@@ -399,14 +400,18 @@ def check_join(train, cluster) -> Report:
     else:
         report.add(equal_name, False, "the ranks end with different weights: their gradients were not "
                                       "averaged at every step, or the replicas were not made equal at the end")
-    default, by_active = _simulate_join(len(got)), _simulate_join(len(got), False)
-    if all(_same_weights(w, default) for w in weights):
+    by_active, diluted = _simulate_join(len(got), False), _simulate_join(len(got))
+    if all(_same_weights(w, by_active) for w in weights):
         report.add(want_name, True)
-    elif all(_same_weights(w, by_active) for w in weights):
-        report.add(want_name, True, "each step's gradient divided by the ranks still training")
+    elif all(_same_weights(w, diluted) for w in weights):
+        report.add(want_name, False, f"the steps after rank 0 ran out were divided by all {len(got)} ranks, "
+                                     "the finished ranks counting as zeros: those steps came out smaller than "
+                                     "the batches' mean. What tells the join hook to average over the ranks "
+                                     "still training?")
     elif short:
         report.add(want_name, False, "they differ from it: some ranks' batches were left out")
     else:
-        report.add(want_name, False, "they differ from it: was each batch's gradient averaged over "
-                                     "the ranks as DDP does, and was every rank's model the same at the end?")
+        report.add(want_name, False, "they differ from it: was each step's gradient this batch's alone "
+                                     "(nothing left over from the batches before), averaged over the ranks "
+                                     "still training?")
     return report
