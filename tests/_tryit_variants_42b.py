@@ -44,67 +44,6 @@ VARIANTS = {
                  "MixedPrecision(reduce_dtype=torch.float32, param_dtype=torch.bfloat16, buffer_dtype=torch.float32)")]),
         ],
     },
-    "dcp": {
-        "mistakes": [
-            ("only the model is saved", [
-                ('dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=folder)',
-                 'dcp.save({"model": model_state}, checkpoint_id=folder)'),
-                ('state = {"model": model_state, "optim": optim_state}', 'state = {"model": model_state}'),
-                ('optim_state_dict=state["optim"]', "optim_state_dict=optim_state")], "step count"),
-            ("loaded, never put into the model and optimizer", [
-                ('        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])\n',
-                 "")], "weights are not the ones saved"),
-            ("model.state_dict() with torch.save on each rank", [
-                ('        model_state, optim_state = get_state_dict(model, optimizer)\n'
-                 '        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=folder)',
-                 '        torch.save(model.state_dict(), f"{folder}/model-{dist.get_rank()}.pt")'),
-                ('        model_state, optim_state = get_state_dict(model, optimizer)\n'
-                 '        state = {"model": model_state, "optim": optim_state}\n'
-                 '        dcp.load(state, checkpoint_id=folder)\n'
-                 '        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])',
-                 '        model.load_state_dict(torch.load(f"{folder}/model-{dist.get_rank()}.pt", weights_only=False))')],
-             "Error(s) in loading state_dict"),
-        ],
-        "correct": [
-            ("the model_ and optimizer_ forms, one state dict each", [
-                ("from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict",
-                 "from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,\n"
-                 "                                                     set_model_state_dict, set_optimizer_state_dict)"),
-                ('        model_state, optim_state = get_state_dict(model, optimizer)\n'
-                 '        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=folder)',
-                 '        dcp.save({"m": get_model_state_dict(model), "o": get_optimizer_state_dict(model, optimizer)},\n'
-                 '                 checkpoint_id=folder)'),
-                ('        model_state, optim_state = get_state_dict(model, optimizer)\n'
-                 '        state = {"model": model_state, "optim": optim_state}\n'
-                 '        dcp.load(state, checkpoint_id=folder)\n'
-                 '        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])',
-                 '        state = {"m": get_model_state_dict(model), "o": get_optimizer_state_dict(model, optimizer)}\n'
-                 '        dcp.load(state, checkpoint_id=folder)\n'
-                 '        set_model_state_dict(model, state["m"])\n'
-                 '        set_optimizer_state_dict(model, optimizer, state["o"])')]),
-        ],
-    },
-    "gradient_sync": {
-        "mistakes": [
-            ("every micro-batch synchronises", [("        model.set_requires_gradient_sync(i == len(micro_batches) - 1)\n", "")],
-             "3 times for 3 micro-batches"),
-            ("the loss is not divided", [(" / len(micro_batches)", "")], "3 times the right size"),
-            ("synchronisation switched off, never back on", [("i == len(micro_batches) - 1", "False")],
-             "no reduce-scatter ran"),
-        ],
-        "correct": [
-            ("off before the loop, on before the last backward", [
-                ("    for i, (x, y) in enumerate(micro_batches):\n"
-                 "        model.set_requires_gradient_sync(i == len(micro_batches) - 1)\n"
-                 "        (F.mse_loss(model(x), y) / len(micro_batches)).backward()",
-                 "    model.set_requires_gradient_sync(False)\n"
-                 "    for i, (x, y) in enumerate(micro_batches):\n"
-                 "        if i + 1 == len(micro_batches):\n"
-                 "            model.set_requires_gradient_sync(True)\n"
-                 "        loss = F.mse_loss(model(x), y)\n"
-                 "        (loss * (1 / len(micro_batches))).backward()")]),
-        ],
-    },
 }
 
 VARIANTS["mixed_precision"] = {

@@ -1,4 +1,4 @@
-"""4.1's alpha-beta cells, executed as stored on real ranks, with the all-reduce timings the
+"""4.1b's alpha-beta cells, executed as stored on real ranks, with the all-reduce timings the
 first cell receives replaced: by exact alpha-beta times (the fit must recover alpha and beta)
 and by noise-dominated ones (larger messages faster than small ones), which the fit refuses
 while the next cell still runs.
@@ -21,7 +21,7 @@ import torch  # noqa: E402
 import dpcourse as dpc  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
-NOTEBOOK = Path(__file__).parent.parent / "notebooks" / "4.1-data-parallelism-in-depth.ipynb"
+NOTEBOOK = Path(__file__).parent.parent / "notebooks" / "4.1b-ring-fsdp-and-memory.ipynb"
 NOISE = {4096: 3e-3, 1 << 14: 1e-3, 1 << 16: 2e-3, 1 << 18: 5e-4, 1 << 20: 8e-4, 1 << 22: 4e-4}
 
 
@@ -68,7 +68,7 @@ def test_the_fit_recovers_alpha_and_beta_of_exact_timings(cluster2):
 
 
 def test_noise_dominated_timings_are_refused_and_the_sweep_cell_still_runs(cluster2):
-    ns, text = run_cells(cluster2, NOISE, ["nb41-buckets-02", "nb41-ring-15", "nb41-ring-19"])
+    ns, text = run_cells(cluster2, NOISE, ["nb41b-setup-2", "nb41-ring-15", "nb41-ring-19"])
     assert ns["alpha"] is None and ns["beta"] is None and ns["predicted"] is None
     assert "no alpha-beta fit from these timings: larger messages did not take longer" in text
     assert "no alpha-beta prediction" in text

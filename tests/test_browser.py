@@ -40,7 +40,8 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
 LOCAL_HOSTS = {"127.0.0.1", "localhost"}
 FIGURES = ["draw_bucket_sweep(", "plot_memory(", "draw_collectives("]  # figures whose screenshots are kept for a look
 # the interactive widgets each notebook must have, so their checks below can never be skipped
-MOVED = {"4.1-data-parallelism-in-depth.ipynb": ["RingPlayer(", 'over="player"', "MemoryCalculator(", "Panel("],
+MOVED = {"4.1a-data-parallelism-in-depth.ipynb": ["Panel("],
+         "4.1b-ring-fsdp-and-memory.ipynb": ["RingPlayer(", 'over="player"', "MemoryCalculator("],
          "4.2a-communication-and-ddp.ipynb": ["cluster_status("], "4.2b-fsdp.ipynb": ["Panel("]}
 TOKEN = "browser-test"
 # no news, no update checks: nothing in JupyterLab itself may reach out of this machine

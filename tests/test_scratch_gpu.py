@@ -30,7 +30,7 @@ def test_scratch_wrappers_on_gpus_equal_single_process_training():
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="nn.DataParallel needs 2 GPUs")
 def test_real_data_parallel_loads_the_primary_gpu_most():
-    """What 4.1's DP section runs on GPUs: the primary device holds the gathered outputs."""
+    """What 4.1a's DP section runs on GPUs: the primary device holds the gathered outputs."""
     gpus = list(range(torch.cuda.device_count()))
     tokens, targets = dpc.models.make_dataset("transformer", 32, vocab_size=1024).tensors
     net = torch.nn.DataParallel(dpc.models.build_model("transformer", vocab_size=1024).cuda(), gpus)

@@ -2,7 +2,7 @@
 
 A ring all-reduce of n bytes over N ranks is 2(N-1) messages of n/N bytes, each costing
 alpha + (n/N)/beta (``cost.ring_all_reduce_seconds``): a straight line in n whose intercept
-gives alpha (seconds per message) and whose slope gives beta (bytes/s); 4.1 fits it to
+gives alpha (seconds per message) and whose slope gives beta (bytes/s); 4.1b fits it to
 timings of ``time_all_reduce`` on its ranks.
 
 The same model projects a step's communication onto named interconnects (``LINKS``, each

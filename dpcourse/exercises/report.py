@@ -26,7 +26,7 @@ class Item:
 class Report:
     """A checker's verdict. ``attempted`` is False for an untouched starter (nothing is judged).
 
-    title: what was checked, e.g. "Exercise A" or "Self-check 4.1, question 3". key: the name
+    title: what was checked, e.g. "Exercise A" or "Self-check 4.1a, question 3". key: the name
     ``dpc.exercises.solution`` knows its reference by ("A", "no_sync", ...), if it has one."""
 
     title: str

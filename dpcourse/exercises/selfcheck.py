@@ -1,7 +1,7 @@
 """Self-checks for the end-of-chapter questions: the learner writes an answer, a checker marks it.
 
     answer = {"global_batch": 1024, "accumulation_on_64": 4}
-    dpc.exercises.check_answer("4.1", 3, answer)
+    dpc.exercises.check_answer("4.1a", 3, answer)
 
 Numbers are compared with a relative tolerance and each expected value is derived in
 front of the learner's eyes from the course's own formulas (the ring's byte count, the
@@ -43,13 +43,13 @@ def _model_states(strategy: str) -> float:
 
 
 QUESTIONS: dict[tuple[str, int], Question] = {
-    ("4.1", 3): Question(
+    ("4.1a", 3): Question(
         "micro-batch 4, 8 accumulation steps, 32 GPUs: the global batch; on 64 GPUs with the "
         "same global batch and micro-batch: the accumulation steps",
         lambda: {"global_batch": 4 * 8 * 32, "accumulation_on_64": 4 * 8 * 32 // (4 * 64)},
         {"global_batch": "global batch = micro-batch x accumulation steps x world size",
          "accumulation_on_64": "twice the ranks: half the accumulation steps"}),
-    ("4.1", 4): Question(
+    ("4.1b", 1): Question(
         "bytes each rank sends in a ring all-reduce of 1 GiB on 8 ranks (in GiB); bytes the root "
         "sends and receives in a naive reduce-then-broadcast (in GiB)",
         lambda: {"ring_sent_gib": _ring_sent(8, GiB) / GiB, "naive_root_sent_gib": (8 - 1) * 1.0,
@@ -57,7 +57,7 @@ QUESTIONS: dict[tuple[str, int], Question] = {
         {"ring_sent_gib": "a ring sends 2(N-1)/N x the buffer: (N-1)/N in reduce-scatter, as much in all-gather",
          "naive_root_sent_gib": "the root broadcasts the whole result to each of the N-1 others",
          "naive_root_received_gib": "the root receives a whole buffer from each of the N-1 others"}),
-    ("4.1", 5): Question(
+    ("4.1b", 2): Question(
         "model-state memory per rank (GB, 1e9 bytes) for 7B parameters, mixed-precision Adam, "
         "8 ranks, under DDP, ZeRO-1, ZeRO-2, ZeRO-3",
         lambda: {s: _model_states(s) for s in ("ddp", "zero1", "zero2", "zero3")},
@@ -65,7 +65,7 @@ QUESTIONS: dict[tuple[str, int], Question] = {
          "zero1": "2 + 2 bytes kept, the 12 bytes of optimizer state divided by 8",
          "zero2": "2 bytes kept, gradients and optimizer state (14 bytes) divided by 8",
          "zero3": "all 16 bytes divided by 8"}),
-    ("4.1", 6): Question(
+    ("4.1b", 3): Question(
         "SHARD_GRAD_OP sends less than FULL_SHARD because (a) it compresses gradients, "
         "(b) it keeps the gathered parameters from forward to backward, so it does not gather "
         "them twice, (c) it does not shard the optimizer state; and it pays with (x) more "
@@ -73,25 +73,25 @@ QUESTIONS: dict[tuple[str, int], Question] = {
         lambda: {"because": "b", "pays": "x"},
         {"because": "FULL_SHARD re-gathers each unit in backward; SHARD_GRAD_OP kept it",
          "pays": "the unsharded parameters stay in memory through the whole forward and backward"}),
-    ("4.2", 1): Question(
+    ("4.2a", 1): Question(
         "2 ranks holding rank + 1.0: every rank's value after all_reduce with ReduceOp.MAX; "
         "after broadcast from src=1",
         lambda: {"after_max": 2.0, "after_broadcast_from_1": 2.0},
         {"after_max": "the largest of 1.0 and 2.0, on every rank",
          "after_broadcast_from_1": "rank 1's value, copied to every rank"}),
-    ("4.2", 2): Question(
+    ("4.2a", 2): Question(
         "world_size=4, each rank holding rank + 1.0: the all_reduce (sum) result; the list "
         "all_gather gives every rank",
         lambda: {"all_reduce": float(sum(r + 1 for r in range(4))),
                  "all_gather": [float(r + 1) for r in range(4)]},
         {"all_reduce": "1 + 2 + 3 + 4", "all_gather": "every rank's value, in rank order, on every rank"}),
-    ("4.2", 5): Question(
+    ("4.2a", 5): Question(
         "2 nodes x 4 GPUs, the third process on the second node: RANK, LOCAL_RANK, WORLD_SIZE",
         lambda: {"RANK": 1 * 4 + 2, "LOCAL_RANK": 2, "WORLD_SIZE": 2 * 4},
         {"RANK": "node index x processes per node + local rank (both count from 0)",
          "LOCAL_RANK": "the third process of its node counts from 0: 2",
          "WORLD_SIZE": "every process of every node"}),
-    ("4.2", 6): Question(
+    ("4.2b", 2): Question(
         "HYBRID_SHARD on 2 nodes x 4 GPUs: which collectives cross the link between the nodes? "
         "(a) the parameter all-gathers, (b) the gradient reduce-scatter, (c) the all-reduce of "
         "gradient shards across the replicas, (d) all of them",
@@ -102,7 +102,8 @@ QUESTIONS: dict[tuple[str, int], Question] = {
 
 
 def check_answer(chapter: str, number: int | str, answer, cluster=None) -> Report:
-    """Mark the answer to question ``number`` of chapter ``chapter`` ("4.1" or "4.2"), field by field.
+    """Mark the answer to question ``number`` of notebook ``chapter`` ("4.1a", "4.2b", ...) as the
+    notebook numbers it, field by field.
 
     A try-it cell's check passes the try-it's name as ``number`` ("no_sync"), what the cell
     defines as ``answer`` and the notebook's ``cluster``: the answer runs on its ranks

@@ -1,5 +1,5 @@
 """4.2c's try-its: the habits of large-model training, written by the learner (checked on the
-notebook's ranks).
+notebook's ranks), DCP checkpoints and gradient accumulation among them.
 
 Each checker runs the learner's function on every rank and judges what it did against one
 process (weights, gradients, norms of the plain model) and against what the ranks did, seen
@@ -10,6 +10,8 @@ from outside: bytes of storage allocated (``MemTracker``), bytes saved for backw
 from __future__ import annotations
 
 import math
+import shutil
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -21,6 +23,7 @@ from ...backends import rank_device
 from ..ranks import RankFailure, run_or_failure
 from ..report import Report
 from . import try_it
+from .fsdp import _Collectives, _close, _failed_run, _quiet, _ratio, _run   # 4.2b's: the tracker, FSDP1's warnings
 
 TIMEOUT = 30.0          # seconds for one check's call on the ranks
 RTOL, ATOL = 1e-4, 1e-6
@@ -550,4 +553,196 @@ def check_prefetch(prefetch, cluster) -> Report:
         report.add(same, False, f"the weights differ from one process's (largest difference "
                                 f"{_largest_difference(r['weights'], r['want']):.3g}): prefetching changes "
                                 "when parameters arrive, never what is computed. Was anything else changed?")
+    return report
+
+
+# -------------------------------------------------------------------------------------- dcp
+DCP_STEPS, DCP_BATCH, DCP_LR = 2, 8, 1e-2   # steps before the checkpoint, samples per rank
+
+
+def _dcp_step(model, optimizer, step, x, y):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows = slice((step * world + rank) * DCP_BATCH, (step * world + rank + 1) * DCP_BATCH)
+    models.loss_fn("mlp", model(x[rows]), y[rows]).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _full_state(model, optimizer) -> tuple[dict, dict]:
+    """The model's full weights and the optimizer's full state, under the plain model's names."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    options = StateDictOptions(full_state_dict=True)
+    weights = get_model_state_dict(model, options=options)
+    state = get_optimizer_state_dict(model, optimizer, options=options)["state"]
+    return ({k: v.detach().clone() for k, v in weights.items()},
+            {k: {s: v.detach().clone() for s, v in per.items()} for k, per in state.items()})
+
+
+def _dcp_on_rank(checkpoint, folder):
+    with _quiet():
+        return _dcp_run(checkpoint, folder)
+
+
+def _dcp_run(checkpoint, folder):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, fully_shard
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    world = dist.get_world_size()
+    x, y = models.make_dataset("mlp", (DCP_STEPS + 1) * DCP_BATCH * world).tensors
+    # the saver: fully_shard (each parameter a DTensor sharded on dim 0), AdamW, 2 steps
+    mesh = init_device_mesh("cpu", (world,))
+    saver = models.build_model("mlp", seed=0)
+    for block in saver.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(saver, mesh=mesh)
+    optimizer = torch.optim.AdamW(saver.parameters(), lr=DCP_LR)
+    for step in range(DCP_STEPS):
+        _dcp_step(saver, optimizer, step, x, y)
+    saved_weights, saved_state = _full_state(saver, optimizer)
+    checkpoint.save(saver, optimizer, folder)
+    dist.barrier()
+    _dcp_step(saver, optimizer, DCP_STEPS, x, y)         # the uninterrupted run's next step
+    want, _ = _full_state(saver, optimizer)
+
+    # the loader: FSDP1 over a model with other weights (flat parameters, sharded otherwise)
+    plain = models.build_model("mlp", seed=1)
+    loader = FSDP(plain, device_id=torch.device("cpu"), auto_wrap_policy=ModuleWrapPolicy({models.MLPBlock}))
+    resumed = torch.optim.AdamW(loader.parameters(), lr=DCP_LR)
+    checkpoint.load(loader, resumed, folder)
+    weights, state = _full_state(loader, resumed)
+    _dcp_step(loader, resumed, DCP_STEPS, x, y)
+    after, _ = _full_state(loader, resumed)
+    return {"weights": _close([weights.get(k, torch.full_like(v, float("nan"))) for k, v in saved_weights.items()],
+                              list(saved_weights.values())),
+            "state": _compare_state(state, saved_state),
+            "next": max((after[k] - v).abs().max().item() for k, v in want.items())}
+
+
+def _compare_state(state: dict, saved: dict) -> str:
+    """"" when ``state`` is ``saved``; else what differs, in words."""
+    if not any(state.values()):
+        return "empty: the optimizer holds no moments and no step count"
+    steps = {float(per["step"]) for per in state.values() if "step" in per}
+    want_steps = {float(per["step"]) for per in saved.values() if "step" in per}
+    if steps != want_steps:
+        fresh = ", what the state-dict API gives a fresh optimizer," if steps == {1.0} else ""
+        return f"its step count is {', '.join(f'{s:g}' for s in sorted(steps))}{fresh} not the saved one"
+    for fqn, per in saved.items():
+        mine = state.get(fqn, {})
+        for key, value in per.items():
+            if key not in mine or not torch.allclose(mine[key].float(), value.float(), rtol=RTOL, atol=ATOL):
+                zero = key in mine and not mine[key].abs().max().item()
+                return f"its {key} of {fqn} {'is all zeros' if zero else 'differs from the saved one'}"
+    return ""
+
+
+@try_it("dcp", "4.2c", "a DCP checkpoint of model and optimizer, resumed sharded otherwise")
+def check_dcp(checkpoint, cluster) -> Report:
+    report = Report("")
+    weights, state = "after load, the weights are the saved ones", "after load, the optimizer's state is the saved one"
+    step = "the next step equals the uninterrupted run's"
+    missing = [m for m in ("save", "load") if not callable(getattr(checkpoint, m, None))]
+    if missing:
+        report.add("runs on every rank", False, f"the class has no {' and no '.join(missing)} to call")
+        for name in (weights, state, step):
+            report.add(name, None, LATER)
+        return report
+    folder = tempfile.mkdtemp(prefix="dpcourse-dcp-")   # fresh: DCP warns when it overwrites
+    try:
+        got = _run(cluster, _dcp_on_rank, checkpoint, folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    if isinstance(got, RankFailure):
+        return _failed_run(report, got, [weights, state, step])
+    report.add("runs on every rank", True)
+    if all(r["weights"] for r in got):
+        report.add(weights, True)
+    else:
+        report.add(weights, False, "the resumed model's weights are not the ones saved (it was built with "
+                   "other weights): does load put what it read into the model, and was the model saved?")
+    problems = [r["state"] for r in got if r["state"]]
+    if not problems:
+        report.add(state, True)
+    else:
+        report.add(state, False, f"after load the optimizer's state is {problems[0]}"
+                   if problems[0].startswith("empty") else f"after load, the optimizer's state differs: "
+                   f"{problems[0]}. AdamW's moments and step count decide the next update: are they saved, "
+                   "read back and put into the new optimizer?")
+    worst = max(r["next"] for r in got)
+    if worst < 1e-5:
+        report.add(step, True)
+    else:
+        report.add(step, False, f"after the next step the weights differ from the uninterrupted run's by up to "
+                   f"{worst:.2g}: the resumed run does not continue where the saved one stopped")
+    return report
+
+
+# ---------------------------------------------------------------------------- gradient_sync
+SYNC_MICRO_BATCHES, SYNC_MICRO = 3, 4   # micro-batches per rank and step, samples in each
+
+
+def _accumulate_on_rank(accumulate):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    share = SYNC_MICRO_BATCHES * SYNC_MICRO
+    x, y = models.make_dataset("mlp", share * world).tensors
+    mine = slice(rank * share, (rank + 1) * share)
+    micro_batches = list(zip(x[mine].chunk(SYNC_MICRO_BATCHES), y[mine].chunk(SYNC_MICRO_BATCHES)))
+    reference = models.build_model("mlp", seed=0)
+    models.loss_fn("mlp", reference(x), y).backward()
+    want = [p.grad for p in reference.parameters()]
+    local = models.build_model("mlp", seed=0)          # this rank's own samples only
+    models.loss_fn("mlp", local(x[mine]), y[mine]).backward()
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = models.build_model("mlp", seed=0)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    units = len(model.blocks) + 1
+    with _Collectives() as seen:
+        accumulate(model, micro_batches)
+    grads = [torch.zeros(p.shape) if p.grad is None else _full(p.grad) for p in model.parameters()]
+    return {"reduce_scatter": seen.count("reduce_scatter"), "units": units, "grads": grads, "want": want,
+            "local": [p.grad for p in local.parameters()], "empty": all(p.grad is None for p in model.parameters())}
+
+
+@try_it("gradient_sync", "4.2c", f"{SYNC_MICRO_BATCHES} micro-batches per step under fully_shard, one reduce-scatter")
+def check_gradient_sync(accumulate, cluster) -> Report:
+    report = Report("")
+    once, same = "FSDP reduce-scatters each unit once per step", "gradients equal one process's on the global batch"
+    got = _run(cluster, _accumulate_on_rank, accumulate)
+    if isinstance(got, RankFailure):
+        return _failed_run(report, got, [once, same])
+    report.add("runs on every rank", True)
+    r = got[0]
+    syncs = r["reduce_scatter"] / r["units"]
+    if syncs == 1:
+        report.add(once, True)
+    elif syncs == 0:
+        report.add(once, False, "no reduce-scatter ran at all: every micro-batch's backward ran with the "
+                   "gradient synchronisation off, so the gradients stayed unsharded on each rank, never "
+                   "averaged over the ranks. Is synchronisation back on for the last backward?")
+    else:
+        report.add(once, False, f"FSDP reduce-scattered the gradients {syncs:g} times for "
+                   f"{SYNC_MICRO_BATCHES} micro-batches: it synchronised after micro-batches whose gradients "
+                   "were not final yet. What lets a backward only add to the unsharded gradients, without "
+                   "communicating?")
+    if all(_close(x["grads"], x["want"]) for x in got):
+        report.add(same, True)
+    elif r["empty"]:
+        report.add(same, False, "the parameters' .grad are empty: FSDP2 keeps the accumulated unsharded "
+                   "gradients aside and writes .grad only when a backward reduce-scatters them")
+    else:
+        ratio = _ratio(r["grads"], r["want"])
+        scale = (f"about {ratio:.2g} times the right size: how much should each micro-batch's loss count, "
+                 "if the step is to see the mean over all of them?" if abs(ratio - 1) > 0.05
+                 else "they differ from it: is every micro-batch's loss part of the gradient, once, and "
+                      "reduce-scattered after the last one?")
+        report.add(same, False, scale)
     return report
