@@ -106,10 +106,17 @@ def test_mismatched_collectives_and_kill_9(kernel):
     result = kernel.execute(
         "def bad():\n    if dist.get_rank() == 0:\n        dist.all_reduce(torch.ones(1))\n"
         "    else:\n        dist.barrier()\n"
-        "cluster.run(bad, timeout=2)")
+        "cluster.run(bad)")  # a certain deadlock: told in seconds, not after the 60 s timeout
+    assert result["error"][0] == "RankDeadlock"
+    assert "on the default group rank 0 waits in the 1st all_reduce of this call, rank 1 in the 1st " \
+           "barrier of this call: the collectives differ" in result["error"][1]
+    assert "rank 0 waiting in the 1st all_reduce of this call" in result["error"][1]
+    result = kernel.execute(
+        "def late():\n    if dist.get_rank() == 0:\n        dist.all_reduce(torch.ones(1))\n"
+        "    else:\n        time.sleep(30)\n"
+        "cluster.run(late, timeout=2)")  # undecidable: rank 1 may yet join
     assert result["error"][0] == "RankTimeout"
     assert "rank 0 waiting in the 1st all_reduce of this call" in result["error"][1]
-    assert "rank 1 waiting in the 1st barrier of this call" in result["error"][1]
     result = kernel.execute(
         "def die():\n    if dist.get_rank() == 0:\n        os.kill(os.getpid(), 9)\n"
         "    dist.barrier()\n"
@@ -124,6 +131,21 @@ def test_stop_button_interrupts_ranks_and_keeps_the_pool(kernel):
     result = kernel.execute("cluster.run(lambda: time.sleep(60))", interrupt_after=1.0)
     assert result["error"][0] == "KeyboardInterrupt"
     assert time.monotonic() - start < 10
+    assert kernel.value("cluster.run(lambda: dist.get_rank())") == [0, 1]
+
+
+@pytest.mark.parametrize("cell", ["cluster.run(lambda: time.sleep(60))",
+                                  "%%ranks\nimport time\ntime.sleep(60)",
+                                  "%%ranks --script\nimport time\ntime.sleep(60)"])
+def test_stop_button_leaves_one_message_and_no_traceback_through_the_pool(kernel, cell):
+    result = kernel.execute(cell, interrupt_after=1.0)
+    ename, evalue, tb = result["error"]
+    assert ename == "KeyboardInterrupt"
+    assert evalue.startswith("the call was interrupted") and evalue.endswith("the cluster is ready.")
+    for internal in ("link.py", "selectors", "connection.py", "call.py", "procs.py", "health.py",
+                     "cluster.py", "magic.py", "During handling", "Traceback"):
+        assert internal not in tb, tb
+    assert "interrupted" not in result["stderr"], result["stderr"]  # said once, in the error
     assert kernel.value("cluster.run(lambda: dist.get_rank())") == [0, 1]
 
 
@@ -183,3 +205,19 @@ def test_ranks_script_cell_runs_torchrun_style_code(kernel):
     assert kernel.value("cluster.run(lambda: dist.get_world_size())") == [2, 2]
     result = kernel.execute("%%ranks --script\nimport os, sys\nsys.exit(int(os.environ['RANK']) * 4)\n")
     assert result["error"][0] == "RankError" and "rank 1 exited with code 4" in result["error"][1]
+
+
+def test_ranks_script_with_a_file_runs_it_with_its_folder_first(kernel, tmp_path):
+    (tmp_path / "helper_mod.py").write_text("VALUE = 41\n")
+    (tmp_path / "main.py").write_text("import os, sys, helper_mod\n"
+                                      "sys.exit(0 if helper_mod.VALUE == 41 else 3 + int(os.environ['RANK']))\n")
+    main = tmp_path / "main.py"
+    _ok(kernel.execute(f"%ranks --script {main} -o by_line"))
+    assert kernel.value("by_line") == [0, 0]
+    _ok(kernel.execute(f"%%ranks --script {main} -o by_cell\n# the FSDP2 example, as it is\n"))
+    assert kernel.value("by_cell") == [0, 0]
+    for cell, said in ((f"%ranks {main}", "without --script"), ("%ranks --script", "runs a script file"),
+                       (f"%%ranks --script {main}\nprint('code')\n", "not the cell's code")):
+        result = kernel.execute(cell)
+        assert result["error"] is not None and result["error"][0] == "ClusterError", (cell, result)
+        assert said in result["error"][1]

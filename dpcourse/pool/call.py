@@ -9,8 +9,10 @@ import signal
 import sys
 import time
 
-from .errors import RankDied, RankError, RankReport, RankTimeout
+from . import deadlock
+from .errors import RankDeadlock, RankDied, RankError, RankReport, RankTimeout, interrupted
 from .procs import readable
+from .reaper import describe
 from .tracker import add_traffic, in_flight
 
 ERROR_GRACE_S = 0.25  # after the first failure, how long other ranks may take to report theirs
@@ -29,6 +31,9 @@ class Call:
         self.reports: dict[int, RankReport] = {}
         self.traffic: dict[int, dict] = {}  # rank -> the call's messages and collectives
         self.first_failure: float | None = None
+        self.left: dict[int, list] = {}  # rank -> (pid, name) its script left running, now stopped
+        self._last_verdict = None  # the deadlock check's last verdict (see _judge)
+        self._asked = False  # a probe is out, not yet judged
 
     def run(self, message: bytes) -> list:
         """Send ``message`` to every rank; the results by rank, or RankError/RankDied/RankTimeout."""
@@ -38,21 +43,29 @@ class Call:
                 conn.send_bytes(message)
             self._collect()
         except KeyboardInterrupt:
-            self._on_interrupt()
-            raise
+            raise interrupted(self._on_interrupt()) from None  # one message, no pool frames
         finally:
             self.cluster._printer.flush()
+            for rank in sorted(self.left):
+                who = f"rank {rank}'s script"
+                print(f"dpcourse: {describe(who, self.left[rank])}.", file=sys.stderr)
         return self.results
 
     def _collect(self) -> None:
         __tracebackhide__ = True
         start = time.monotonic()
+        self.start, next_probe = start, start + deadlock.PROBE_S
         while self.pending:
             now = time.monotonic()
             if self.first_failure is not None and now - self.first_failure > ERROR_GRACE_S:
                 break
             if self.timeout is not None and now - start > self.timeout:
                 self._fail(RankTimeout)
+            if self.first_failure is None and self.cluster.find_deadlocks:
+                self._judge()
+                if now >= next_probe:
+                    self._ask()
+                    next_probe = now + deadlock.PROBE_S
             wait_s = 0.05 if self.first_failure else 0.1
             for rank, msg in self.cluster._link.poll(self.gen, self.pending, wait_s):
                 self.pending.discard(rank)
@@ -68,6 +81,50 @@ class Call:
             print("dpcourse: the call returned, but " + "; ".join(left) + ". The next call's "
                   "matching send, receive or collective will meet it; if that is not what you meant, "
                   "cluster.restart() drops it.", file=sys.stderr)
+
+    def _judge(self) -> None:
+        """The deadlock check (see ``deadlock``): once every running rank answered the last
+        probe, judge; raise RankDeadlock when the call can never finish (the same verdict on
+        two probes in a row, with no progress between)."""
+        __tracebackhide__ = True
+        if not self._asked:
+            return
+        answers = {r: self.cluster._link.waits.get(r) for r in self.pending}
+        finished = {r for r, rep in self.reports.items() if rep.state in ("finished", "exited")}
+        if any(a is None for a in answers.values()):
+            return  # not all in yet
+        self._asked = False
+        if not all(a["running"] for a in answers.values()) or \
+                any(self.traffic.get(r) is None for r in finished):
+            self._last_verdict = None
+            return
+        this_call = {**{r: self.traffic[r] for r in finished},
+                     **{r: a["traffic"] for r, a in answers.items()}}
+        found = deadlock.verdict({r: a["wait"] for r, a in answers.items()}, finished,
+                                 add_traffic(self.cluster._carried, this_call), self.cluster.world_size)
+        seen = repr(sorted(answers.items())) if found else None
+        if found and seen == self._last_verdict:
+            self._deadlock(*found)
+        self._last_verdict = seen
+
+    def _ask(self) -> None:
+        """Probe: ask every running rank what it waits in (answers arrive on the control channel)."""
+        self.cluster._link.waits.clear()
+        self._asked = True
+        for rank in self.pending:
+            try:
+                self.gen.control[rank].send(("wait",))
+            except OSError:
+                pass
+
+    def _deadlock(self, lines: list[str], kinds: set[str]):
+        __tracebackhide__ = True
+        waited = time.monotonic() - self.start
+        self.reports.update(self._stuck_reports(0.5))
+        self.cluster._printer.flush()
+        self.cluster._restart()
+        ordered = [self.reports[r] for r in sorted(self.reports)]
+        raise RankDeadlock(ordered, waited, self.timeout, lines, deadlock.hint(kinds))
 
     def _left_in_flight(self) -> list[str]:
         """Messages or collectives still in flight once every rank has replied, counted over
@@ -85,7 +142,9 @@ class Call:
         if msg is None:
             return RankReport(rank, "died", cluster._link.exit_text(self.gen, rank),
                               cluster._link.crash_log(self.gen, rank))
-        intact, self.traffic[rank] = msg[-1]  # the last item of every reply
+        intact, self.traffic[rank], left = msg[-1]  # the last item of every reply
+        if left:
+            self.left[rank] = left
         if not intact:  # the pool's process group was destroyed
             cluster._group_lost.add(rank)
         if msg[0] == "ok":
@@ -136,8 +195,9 @@ class Call:
                 r.traceback = ""
         raise error(ordered, restarted or bool(left), left)
 
-    def _on_interrupt(self) -> None:
-        """The stop button: interrupt the ranks' Python code; restart any that do not return."""
+    def _on_interrupt(self) -> str:
+        """The stop button: interrupt the ranks' Python code; restart any that do not return.
+        Returns what happened, one line."""
         cluster, gen, pending = self.cluster, self.gen, self.pending
         try:
             where = self._stuck_reports(0.3) if pending else {}
@@ -148,13 +208,15 @@ class Call:
                     pending.discard(rank)
                     if msg is not None:
                         self.traffic[rank] = msg[-1][1]
-            notes = [where[r].describe(with_trace=False) for r in sorted(where)]
+                        if msg[-1][2]:
+                            self.left[rank] = msg[-1][2]
+            notes = [f"rank {r} was {where[r].summary}" for r in sorted(where)
+                     if where[r].summary.startswith("waiting")]
             left = [] if pending else self._left_in_flight()
             if pending or left:
                 cluster._restart()
                 notes += left + ["the ranks were restarted"]
-            print("dpcourse: interrupted: " + ("; ".join(notes) or "ranks stopped")
-                  + "; the cluster is ready.", file=sys.stderr)
+            return "; ".join(["the call was interrupted"] + notes + ["the cluster is ready."])
         except BaseException:
             cluster._restart()  # whatever happened, leave a usable pool behind
-            raise
+            return "the call was interrupted, and the ranks were restarted; the cluster is ready."

@@ -24,7 +24,7 @@ import weakref
 from ..backends import BackendError, choose_backend
 from . import health, wire
 from .call import Call
-from .errors import ClusterError
+from .errors import ClusterError, interrupted
 from .link import RankLink
 from .output import RankPrinter
 from .procs import Generation, LauncherProcess, MemoryWatch, check_port, free_ports, readable
@@ -90,7 +90,7 @@ class Cluster:
     def __init__(self, world_size: int = 2, backend: str = "auto", *, timeout: float | None = 300.0,
                  num_threads: int | None = None, master_port: int | None = None,
                  env: dict[str, str] | None = None, start_timeout: float = 120.0,
-                 start_method: str | None = None):
+                 start_method: str | None = None, find_deadlocks: bool = True):
         global _current
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ClusterError(f"world_size must be a whole number >= 1, not {world_size!r}")
@@ -102,6 +102,9 @@ class Cluster:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         self.num_threads = num_threads or max(1, (cores or 1) // world_size)
         self.default_timeout = timeout
+        # certain deadlocks raise RankDeadlock in seconds (see deadlock); False: only the timeout,
+        # e.g. to look at hung ranks from outside (py-spy) while a call waits
+        self.find_deadlocks = find_deadlocks
         self._master_port, self._env = master_port, dict(env or {})
         self._start_timeout = start_timeout
         self._printer = RankPrinter(world_size)
@@ -212,7 +215,16 @@ class Cluster:
         observers = _observers(observe)
         port, reinit_port = free_ports(2)
         call = wire.dumps((path, source, [str(a) for a in argv], port, reinit_port, observers))
-        return self._call("script", call, timeout, observers)
+        try:
+            return self._call("script", call, timeout, observers)
+        finally:
+            if self._gen is not None and self._gen.ready and not self.closed:
+                # the ranks stopped their scripts' processes; the launcher stops any that left
+                # the ranks' process groups (a daemon's double fork): see reaper
+                try:
+                    self._launcher.sweep(self._gen)
+                except ClusterError:
+                    pass
 
     def restart(self) -> None:
         """Kill the ranks and start fresh ones (new process group, empty rank namespaces)."""
@@ -341,7 +353,11 @@ class Cluster:
     def _call(self, kind: str, call: bytes, timeout, observers=()):
         __tracebackhide__ = True
         timeout = self.default_timeout if timeout is _DEFAULT else timeout
-        self._ensure_ready()
+        try:
+            self._ensure_ready()
+        except KeyboardInterrupt:
+            raise interrupted("interrupted while the ranks were starting; the next call waits "
+                              "for them.") from None
         self._run_id += 1
         sources = wire.notebook_sources(self._sent_sources)
         message = wire.dumps((kind, self._run_id, (sources, call)))

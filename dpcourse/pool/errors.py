@@ -82,12 +82,50 @@ class RankTimeout(ClusterError):
         summary = "; ".join(r.describe(with_trace=False) for r in reports)
         stuck = [r for r in reports if r.state == "running"]
         title = f"ranks did not finish within {timeout:g} s: {summary}"
-        if any(r.summary.startswith("waiting in") for r in stuck):
-            hint = ("A collective waits until every rank calls the same one; check that all ranks\n"
-                    "reach the same collectives in the same order.")
+        waits = [r.summary for r in stuck if r.summary.startswith("waiting in")]
+        if waits:
+            from .deadlock import hint as advice
+
+            p2p = (" send of", " recv of", " isend of", " irecv of")
+            hint = advice({"p2p" if any(op in w for op in p2p) else "collective" for w in waits})
         else:  # no rank is in a collective: the advice above would mislead
             hint = ("No rank is waiting in a collective: a rank ran longer than the timeout (pass a\n"
                     "larger timeout=...), waited for something else, or was blocked in C++ code\n"
                     "that holds the GIL (a rank that did not answer).")
         note = hint + "\nThe ranks were restarted (variables kept on ranks are gone); the cluster is ready."
         super().__init__(_format(title, stuck, note))
+
+
+class RankDeadlock(RankTimeout):
+    """The ranks can never finish the call (a certain deadlock, see ``deadlock``): raised in
+    seconds instead of at the timeout; ``reports`` says where each rank was, ``waits`` why."""
+
+    def __init__(self, reports: list[RankReport], waited_s: float, timeout: float | None,
+                 waits: list[str], hint: str):
+        self.reports = {r.rank: r for r in reports}
+        self.timeout, self.waits = timeout, list(waits)
+        stuck = [r for r in reports if r.state == "running"]
+        others = [r for r in reports if r.state != "running"]
+        limit = "no timeout" if timeout is None else f"the {timeout:g} s timeout"
+        title = (f"the ranks can never finish this call (seen after {waited_s:.1f} s, instead of "
+                 f"waiting out {limit}):\n" + "\n".join(waits))
+        if others:
+            title += "\n" + "; ".join(r.describe(with_trace=False) for r in others)
+        note = hint + "\nThe ranks were restarted (variables kept on ranks are gone); the cluster is ready."
+        ClusterError.__init__(self, _format(title, stuck, note))
+
+
+class Interrupted(KeyboardInterrupt):
+    """The stop button, handled by the pool: the notebook shows this one line (IPython's
+    ``_render_traceback_``), not a traceback through the pool's code."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"\x1b[31mKeyboardInterrupt\x1b[39m: {self}"]
+
+
+Interrupted.__name__ = Interrupted.__qualname__ = "KeyboardInterrupt"  # what the learner pressed
+
+
+def interrupted(text: str) -> KeyboardInterrupt:
+    """The stop button's one message, raised ``from None`` where the pool caught the interrupt."""
+    return Interrupted(text)

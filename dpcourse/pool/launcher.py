@@ -22,11 +22,18 @@ import socket
 import sys
 from multiprocessing.connection import Connection, wait
 
+from . import reaper
+
 
 def _fork_rank(spec: dict, rank: int, fds: list[int], inherited: list[int], launcher_pid: int) -> int:
     pid = os.fork()
     if pid:
+        try:
+            os.setpgid(pid, pid)  # the rank leads a process group (both sides set it: no race)
+        except OSError:
+            pass
         return pid
+    reaper.own_group()
     # Child: keep only this rank's two sockets; drop the launcher's own descriptors so
     # that only the launcher holds its socket to the kernel.
     mine = fds[2 * rank: 2 * rank + 2]
@@ -39,6 +46,10 @@ def _fork_rank(spec: dict, rank: int, fds: list[int], inherited: list[int], laun
     os._exit(5)  # not reached
 
 
+# Popen's process_group (Python 3.11+) is safe with the launcher's threads; preexec_fn is not.
+_OWN_GROUP = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": reaper.own_group}
+
+
 def _spawn_rank(rank: int, fds: list[int], launcher_pid: int):
     """A fresh interpreter for ``rank``: it imports torch, then reads its spec from stdin."""
     import subprocess
@@ -47,7 +58,8 @@ def _spawn_rank(rank: int, fds: list[int], launcher_pid: int):
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     code = f"import sys; sys.path.insert(0, {root!r}); from dpcourse.pool.rank import spawned_main; spawned_main()"
     return subprocess.Popen([sys.executable, "-c", code, str(rank), *map(str, mine), str(launcher_pid)],
-                            pass_fds=mine, stdin=subprocess.PIPE, close_fds=True)
+                            pass_fds=mine, stdin=subprocess.PIPE, close_fds=True,
+                            **_OWN_GROUP)  # each rank leads a process group of its own (see reaper)
 
 
 def _peak_bytes(usage) -> int:
@@ -72,16 +84,20 @@ class Launcher:
         self.conn = Connection(os.dup(sock.fileno()))
         self.children: dict[int, int] = {}  # pid -> pidfd (or -1 without pidfd support)
         self.spawned: dict[int, object] = {}  # pid -> Popen of a spawned rank (reaped here, by PID)
+        self.subreaper = reaper.set_subreaper()  # what the ranks leave becomes ours (Linux)
 
     def reap(self) -> list[tuple[int, int, int]]:
-        """Collect exited children; return (pid, wait status, peak resident bytes) for each."""
+        """Collect exited children; return (pid, wait status, peak resident bytes) for each rank.
+        Processes adopted as the ranks' subreaper (see ``reaper``) are reaped without a report."""
         gone = []
-        for pid in list(self.children):
+        while True:
             try:
-                done, status, usage = os.wait4(pid, os.WNOHANG)
+                pid, status, usage = os.wait4(-1, os.WNOHANG)
             except ChildProcessError:
-                done, status, usage = pid, 0, None
-            if done:
+                break
+            if not pid:
+                break
+            if pid in self.children:
                 self._forget(pid, status)
                 gone.append((pid, status, _peak_bytes(usage)))
         return gone
@@ -96,17 +112,49 @@ class Launcher:
             if popen.stdin:
                 popen.stdin.close()
 
-    def kill(self, pids) -> list[tuple[int, int]]:
+    def kill(self, pids) -> tuple[list[tuple[int, int, int]], list]:
+        """SIGKILL ranks with their process groups and reap them, then stop what they started:
+        found below them first (so it is known whose it was, and found where no subreaper
+        adopts it), and adopted by this subreaper after."""
+        pids = [pid for pid in pids if pid in self.children]
+        owner = {}
+        try:
+            for pid in pids:
+                owner.update((d, pid) for d in reaper.tree(pid))
+        except Exception:  # noqa: BLE001 -- no process table: the group and the subreaper remain
+            pass
         gone = []
         for pid in pids:
-            if pid in self.children:
+            try:
+                os.killpg(pid, signal.SIGKILL)  # the rank and what it started in its group
+            except OSError:
                 os.kill(pid, signal.SIGKILL)
         for pid in pids:
-            if pid in self.children:
-                _, status, usage = os.wait4(pid, 0)
-                self._forget(pid, status)
-                gone.append((pid, status, _peak_bytes(usage)))
-        return gone
+            _, status, usage = os.wait4(pid, 0)
+            self._forget(pid, status)
+            gone.append((pid, status, _peak_bytes(usage)))
+        return gone, self.sweep(grace_s=0.2, owner=owner)
+
+    def sweep(self, grace_s: float = reaper.GRACE_S, owner: dict | None = None) -> list:
+        """Stop the processes the ranks left (adopted by this subreaper, or listed in ``owner``):
+        (pid, the rank's pid or the process group, name) of each."""
+        try:
+            owner = owner or {}
+            names = {}
+            left = {}
+            for pid, pgid, name in reaper.orphans(set(self.children)):
+                left[pid], names[pid] = pgid, name
+            for pid, rank in owner.items():  # found below a rank before it was killed
+                proc = reaper.process(pid)
+                if proc is not None and not proc.zombie and pid not in self.children:
+                    left[pid], names[pid] = rank, proc.name
+            if not left:
+                return []
+            reaper.stop(sorted(left), grace_s)
+            self.reap()
+            return [(pid, owner.get(pid, left[pid]), names[pid]) for pid in sorted(left)]
+        except Exception:  # noqa: BLE001 -- never let the cleanup take the launcher down
+            return []
 
     def handle(self, msg) -> bool:
         kind = msg[0]
@@ -138,7 +186,9 @@ class Launcher:
                 if pid in self.children:
                     os.kill(pid, msg[1])
         elif kind == "kill":
-            self.conn.send(("killed", self.kill(msg[1])))
+            self.conn.send(("killed", *self.kill(msg[1])))
+        elif kind == "sweep":
+            self.conn.send(("swept", self.sweep()))
         elif kind == "exit":
             return False
         return True
@@ -148,6 +198,8 @@ class Launcher:
             while True:
                 watched = [self.conn] + [fd for fd in self.children.values() if fd >= 0]
                 timeout = None if all(fd >= 0 for fd in self.children.values()) else 0.05
+                if self.subreaper:  # adopted processes that end are reaped within a second
+                    timeout = 1.0 if timeout is None else timeout
                 ready = wait(watched, timeout)
                 exited = self.reap()
                 if exited:

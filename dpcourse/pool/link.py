@@ -20,6 +20,7 @@ class RankLink:
     def __init__(self, launcher: LauncherProcess, printer: RankPrinter, memory: MemoryWatch, crash_dir: str):
         self.launcher, self.printer, self.memory, self.crash_dir = launcher, printer, memory, crash_dir
         self.oom_first = True  # the ranks volunteer to the OOM killer (False: the platform cannot)
+        self.waits: dict[int, dict] = {}  # rank -> its answer to the last ("wait",) probe
 
     def poll(self, gen: Generation, pending: set[int], timeout: float):
         """Show rank output; yield (rank, message or None if the rank died) from pending ranks."""
@@ -51,6 +52,8 @@ class RankLink:
                     self.printer.feed(rank, msg[1], msg[2])
                 elif msg[0] == "status":
                     status = msg[1]
+                elif msg[0] == "wait":  # an answer to the deadlock check's probe
+                    self.waits[rank] = msg[1]
         except (EOFError, OSError):
             pass
         return status

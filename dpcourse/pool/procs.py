@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 
 from .errors import ClusterError
+from .reaper import describe
 
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -170,11 +171,24 @@ class LauncherProcess:
         self.send(("signal", signum, pids))
 
     def kill(self, gen: Generation) -> None:
-        """SIGKILL and reap a generation's ranks (the launcher is their parent)."""
+        """SIGKILL and reap a generation's ranks (the launcher is their parent), and stop what
+        they started that still runs (see ``reaper``); say so if they had left anything."""
         self.send(("kill", gen.pids))
-        _, exits = self.recv(30)
+        _, exits, left = self.recv(30)
         self._note_exits(exits)
         gen.close()
+        if left:
+            print(f"dpcourse: {describe(_whose(left, gen, 'the ranks'), [(p, n) for p, _, n in left])} "
+                  "with the ranks.", file=sys.stderr)
+
+    def sweep(self, gen: Generation, what: str = "script") -> None:
+        """After a script: stop what its ranks started and left behind in a session of its own
+        (the ranks stop the rest themselves); say so."""
+        self.send(("sweep",))
+        _, left = self.recv(30)
+        if left:
+            print(f"dpcourse: {describe(_whose(left, gen, 'the ' + what), [(p, n) for p, _, n in left])}.",
+                  file=sys.stderr)
 
     def close(self, timeout: float = 5.0) -> None:
         try:
@@ -189,6 +203,14 @@ class LauncherProcess:
         self.conn.close()
         self.sock.close()
         self._stderr.close()
+
+
+def _whose(left: list, gen: Generation, default: str) -> str:
+    """"rank 1's script" when every process left is in rank 1's process group, else ``default``."""
+    ranks = {gen.pids.index(pgid) if pgid in gen.pids else None for _, pgid, _ in left}
+    if len(ranks) == 1 and None not in ranks:
+        return f"rank {ranks.pop()}" + ("'s script" if default.endswith("script") else "")
+    return default
 
 
 def free_port() -> int:

@@ -22,6 +22,8 @@ from multiprocessing.connection import Connection
 from ..backends import rank_device
 from . import wire
 from .group import PoolGroup, torchrun_env
+from .isolation import script_imports
+from .reaper import own_group, stop_descendants
 from .output import OutputForwarder
 from .tracker import TRACKER
 
@@ -65,6 +67,7 @@ class Rank:
         self.tracker = TRACKER
         self.running = False
         self.namespace: dict = {}  # where %%ranks cells run; persists between cells
+        self.left: list = []  # (pid, name) of processes the last script left running, now stopped
         self.main_ident = threading.get_ident()
 
     # --- set-up -------------------------------------------------------------------
@@ -118,12 +121,23 @@ class Rank:
                 _exit(0)  # the kernel died: never outlive it
             if msg[0] == "status":
                 self.send_control(("status", self.status()))
+            elif msg[0] == "wait":
+                self.send_control(("wait", self.wait_state()))
 
     def status(self) -> dict:
         frame = sys._current_frames().get(self.main_ident)
         stack = "".join(traceback.format_stack(frame)) if frame is not None else ""
         return {"running": self.running, "collective": self.tracker.describe(),
                 "stack": _user_stack(stack)}
+
+    def wait_state(self) -> dict:
+        """What the kernel's deadlock check needs (see ``deadlock``): the communication this rank
+        is blocked in (None when it is not blocked in one: computing, sleeping, ...) and the
+        call's traffic so far."""
+        wait, traffic = self.tracker.waiting()
+        if wait is not None and not _blocked(sys._current_frames().get(self.main_ident)):
+            wait = None
+        return {"running": self.running, "wait": wait, "traffic": traffic}
 
     # --- the loop --------------------------------------------------------------------
     def serve(self) -> None:
@@ -180,7 +194,8 @@ class Rank:
             traffic = self.tracker.traffic()
         except Exception:  # noqa: BLE001 -- a torch without get_process_group_ranks: unchecked
             traffic = None
-        return self.group.intact(), traffic
+        left, self.left = self.left, []
+        return self.group.intact(), traffic, left
 
     def _dispatch(self, kind: str, call):
         if kind == "cell":
@@ -226,17 +241,28 @@ class Rank:
         main = types.ModuleType("__main__")  # what `python path` makes: pickle finds its classes
         main.__file__, main.__builtins__ = path, __builtins__
         saved_main, sys.modules["__main__"] = sys.modules["__main__"], main
+        global _script_pid
+        _script_pid = os.getpid()
         os._exit = _script_exit  # under torchrun it ends the process; here it ends the script
         try:
-            with self.group.script(path, argv, port, reinit_port):
-                exec(code, main.__dict__)
+            with script_imports(path), self.group.script(path, argv, port, reinit_port):
+                _exec_main(code, main.__dict__)
         except SystemExit as exc:
             return _exit_code(exc)
         finally:
             os._exit = _exit
             sys.modules["__main__"] = saved_main
+            self._stop_what_the_script_left()
             self.output.drain()
         return 0
+
+    def _stop_what_the_script_left(self) -> None:
+        """A script's process ends what it started (or leaves it to init); this rank lives on,
+        so it stops the script's processes itself, and the kernel says so (see ``reaper``)."""
+        try:
+            self.left = stop_descendants()
+        except Exception:  # noqa: BLE001 -- the launcher's sweep still finds them
+            self.left = []
 
 
 @contextlib.contextmanager
@@ -251,10 +277,45 @@ def observing(observers: list):
     observed.extend(observer.result() for observer in observers)
 
 
+_script_pid = None  # the rank running a script: its os._exit ends the script, not the process
+
+
 def _script_exit(code: int) -> None:
     """``os._exit`` while a script runs on a rank: the script ends with ``code``, as its process
-    would under torchrun, and the rank lives on for the next call."""
+    would under torchrun, and the rank lives on for the next call. In a process the script
+    forked (a ``multiprocessing`` child ends with ``os._exit``) it is the real one."""
+    if os.getpid() != _script_pid:
+        _exit(code)
     raise SystemExit(int(code))
+
+
+def _exec_main(code, namespace: dict) -> None:
+    """Run a script's code. A process the script forked (``os.fork()``) that returns from it or
+    calls ``sys.exit`` ends here, as it would under ``python``; it must not go on as a rank."""
+    try:
+        exec(code, namespace)
+    except SystemExit as exc:
+        if os.getpid() != _script_pid:
+            _leave_forked_child(_exit_code(exc))
+        raise
+    except BaseException:
+        if os.getpid() != _script_pid:
+            traceback.print_exc()
+            _leave_forked_child(1)
+        raise
+    if os.getpid() != _script_pid:
+        _leave_forked_child(0)
+
+
+def _leave_forked_child(status: int) -> None:
+    """End a process the script forked (``os.fork()``) that returned from the script or called
+    ``sys.exit``: under ``python`` it would exit there; here it must not go on as a rank."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001
+            pass
+    _exit(status)
 
 
 def _exit_code(exc: SystemExit) -> int:
@@ -303,6 +364,20 @@ def _learner_traceback(exc: BaseException) -> str:
     return "".join(te.format())
 
 
+_C10D_FILES = ("distributed_c10d.py", "c10d_logger.py")
+
+
+def _blocked(frame) -> bool:
+    """Whether the main thread waits in a communication: inside torch.distributed's functions,
+    or on a line that calls ``.wait()`` (a ``Work``'s). Anything else -- computing, sleeping --
+    is not decided."""
+    if frame is None:
+        return False
+    if frame.f_code.co_filename.endswith(_C10D_FILES):
+        return True
+    return ".wait(" in linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+
+
 def _user_stack(stack: str) -> str:
     """Drop the pool's own frames from a formatted stack, keeping the learner's code."""
     blocks = stack.split('  File "')
@@ -333,6 +408,7 @@ def main(spec: dict, rank: int, task, control_fd: int, launcher_pid: int) -> Non
     socket's descriptor, or its Connection."""
     code = 0
     try:
+        own_group()  # what the rank starts joins its process group (see reaper)
         set_death_signal(launcher_pid)
         task = task if isinstance(task, Connection) else Connection(task)
         control = Connection(control_fd)

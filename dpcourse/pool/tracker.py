@@ -100,7 +100,7 @@ class CollectiveTracker:
         with self._lock:
             self.counts: dict[str, int] = {}
             self.issued: list[list] = []  # [name, number, start, completed, p2p Work or None]
-            self.entering: tuple[str, int, float] | None = None
+            self.entering: tuple[str, int, float, dict] | None = None  # a call blocking now
             # this call's traffic; groups are held only until traffic() reads them
             self._groups: dict[int, object] = {}
             self._sent: dict[tuple, int] = {}      # (id(group), peer) -> messages
@@ -120,34 +120,40 @@ class CollectiveTracker:
         """This call's messages and collectives on the groups that still exist, keyed by the
         group's ranks (global): ``{"sent": {(ranks, dst): n}, "received": {(ranks, src): n},
         "collectives": {ranks: n}}``; ``src`` None: a receive from any rank still unmatched."""
-        import torch.distributed as dist
-
         with self._lock:
             groups, self._groups = self._groups, {}
             sent, received = dict(self._sent), dict(self._received)
             collectives, any_source = dict(self._collectives), list(self._any_source)
-        for gid, work in any_source:
-            try:
-                peer = source_rank(work) if work.is_completed() else None
-            except Exception:
-                peer = None
-            received[(gid, peer)] = received.get((gid, peer), 0) + 1
-        alive: dict[int, tuple] = {}
-        for gid, group in groups.items():
-            try:
-                alive[gid] = tuple(dist.get_process_group_ranks(group))
-            except Exception:  # destroyed in the call (a script's group): its traffic went with it
-                pass
-        out: dict = {"sent": {}, "received": {}, "collectives": {}}
-        for name, table in (("sent", sent), ("received", received)):
-            for (gid, peer), n in table.items():
-                if gid in alive:
-                    key = (alive[gid], peer)
-                    out[name][key] = out[name].get(key, 0) + n
-        for gid, n in collectives.items():
-            if gid in alive:
-                out["collectives"][alive[gid]] = out["collectives"].get(alive[gid], 0) + n
-        return out
+        return _summarise(groups, sent, received, collectives, any_source)
+
+    def waiting(self) -> tuple[dict | None, dict]:
+        """While a call runs (asked from another thread): what this rank waits in -- the call
+        blocking now, else the oldest issued one not completed -- as ``{"kind": "send", "recv"
+        or "collective", "name", "number", "group": its ranks, "peer"}`` (None: nothing), and
+        the call's traffic so far (``traffic()``, the blocking call counted), left in place."""
+        with self._lock:
+            groups = dict(self._groups)
+            sent, received = dict(self._sent), dict(self._received)
+            collectives, any_source = dict(self._collectives), list(self._any_source)
+            entering, issued = self.entering, list(self.issued)
+        detail = entering[3] if entering else None
+        if detail is None:
+            detail = next((c[5] for c in issued if len(c) > 5 and not _done(c)), None)
+        if entering:  # counted once it returns; it is this rank's, so count it now
+            d = entering[3]
+            if d["kind"] == "collective":
+                collectives[d["gid"]] = collectives.get(d["gid"], 0) + 1
+            elif d["kind"] == "send":
+                sent[(d["gid"], d["peer"])] = sent.get((d["gid"], d["peer"]), 0) + 1
+            elif d["peer"] is not None:
+                received[(d["gid"], d["peer"])] = received.get((d["gid"], d["peer"]), 0) + 1
+        traffic = _summarise(groups, sent, received, collectives, any_source)
+        if detail is None:
+            return None, traffic
+        ranks = _group_ranks(groups.get(detail["gid"]))
+        if ranks is None:
+            return None, traffic
+        return {**{k: v for k, v in detail.items() if k != "gid"}, "group": ranks}, traffic
 
     def install(self) -> None:
         """Route the c10d collective operators through the tracker (once per process:
@@ -206,11 +212,13 @@ class CollectiveTracker:
         for fn in list(self._listeners):
             fn(issued)
 
-    def _enter(self, name: str) -> tuple[int, float]:
+    def _enter(self, name: str, detail: dict) -> tuple[int, float]:
+        """Note that ``name`` starts; ``detail``: what it waits for (see ``waiting``)."""
         with self._lock:
             number, start = self.counts.get(name, 0) + 1, time.perf_counter()
             self.counts[name] = number
-            self.entering = (name, number, start)
+            detail["number"] = number
+            self.entering = (name, number, start, detail)
         return number, start
 
     def _leave(self) -> None:
@@ -229,23 +237,26 @@ class CollectiveTracker:
                 _inside.p2p = False
 
         def outermost(*args, **kwargs):
-            number, start = self._enter(name)
+            tensor, peer, group = _p2p_args(name, args, kwargs)
+            kind = "send" if "send" in name else "recv"
+            with self._lock:
+                gid = self._note_group(group)
+            detail = {"kind": kind, "name": name, "gid": gid, "peer": peer}
+            number, start = self._enter(name, detail)
             try:
                 work = fn(*args, **kwargs)  # send/recv block; isend/irecv return a Work
             finally:
                 self._leave()
-            tensor, peer, group = _p2p_args(name, args, kwargs)
             if peer is None and isinstance(work, int):  # recv(src=None) returns the sender
-                peer = work
+                peer = detail["peer"] = work
             with self._lock:
                 for entry in self.issued:  # let go of the Works that have completed
                     if entry[4] is not None and entry[4].is_completed():
                         entry[3], entry[4] = True, None
                 # send returns None and recv the sender's rank (an int): both have completed
                 pending = work if hasattr(work, "is_completed") else None
-                self.issued.append([name, number, start, pending is None, pending])
-                gid = self._note_group(group)
-                if "send" in name:
+                self.issued.append([name, number, start, pending is None, pending, detail])
+                if kind == "send":
                     self._sent[(gid, peer)] = self._sent.get((gid, peer), 0) + 1
                 elif peer is None and pending is not None:
                     self._any_source.append((gid, pending))
@@ -254,36 +265,37 @@ class CollectiveTracker:
                 if len(self.issued) > _KEEP:
                     self.issued = [e for e in self.issued if not e[3]][-_KEEP:] or self.issued[-1:]
             if self._listeners:
-                self._tell(Issued(name, "send" if "send" in name else "recv", (tensor, peer, group),
-                                  start, work))
+                self._tell(Issued(name, kind, (tensor, peer, group), start, work))
             return work
 
         return tracked
 
     def _kernel(self, op_name: str, collective: str, op):
         def tracked(*args, **kwargs):
-            number, start = self._enter(collective)
+            group = next((g for g in map(process_group, args) if g is not None), None)
+            with self._lock:
+                gid = self._note_group(group)
+            detail = {"kind": "collective", "name": collective, "gid": gid, "peer": None}
+            number, start = self._enter(collective, detail)
             try:
                 with below_autograd():
                     result = op(*args, **kwargs)
             finally:
                 self._leave()
             work = result[-1] if isinstance(result, tuple) else result
-            group = next((g for g in map(process_group, args) if g is not None), None)
             with self._lock:
-                gid = self._note_group(group)
                 self._collectives[gid] = self._collectives.get(gid, 0) + 1
-            self._issued(collective, number, start, work)
+            self._issued(collective, number, start, work, detail)
             if self._listeners:
                 self._tell(Issued(op_name, collective, args, start, work))
             return result
 
         return tracked
 
-    def _issued(self, collective: str, number: int, start: float, work) -> None:
+    def _issued(self, collective: str, number: int, start: float, work, detail: dict) -> None:
         # Only a completion flag is kept, set by the work's future: holding the Work itself
         # would keep its tensors alive (FSDP's freed gradients, say) for the rest of the call.
-        entry = [collective, number, start, False, None]
+        entry = [collective, number, start, False, None, detail]
         with self._lock:
             self.issued.append(entry)
             if len(self.issued) > _KEEP:
@@ -295,7 +307,7 @@ class CollectiveTracker:
         with self._lock:
             entering, issued = self.entering, list(self.issued)
         now = time.perf_counter()
-        waiting = entering
+        waiting = entering[:3] if entering else None
         if waiting is None:
             waiting = next((tuple(c[:3]) for c in issued if not _done(c)), None)
         if waiting is not None:
@@ -305,6 +317,40 @@ class CollectiveTracker:
             name, number = issued[-1][:2]
             return f"not in a collective; its last, the {ordinal(number)} {name} of this call, completed"
         return "not in a collective; none issued in this call"
+
+
+def _group_ranks(group) -> tuple | None:
+    """A group's ranks (global), or None for a group destroyed meanwhile."""
+    import torch.distributed as dist
+
+    if group is None:
+        return None
+    try:
+        return tuple(dist.get_process_group_ranks(group))
+    except Exception:  # destroyed in the call (a script's group): its traffic went with it
+        return None
+
+
+def _summarise(groups: dict, sent: dict, received: dict, collectives: dict, any_source: list) -> dict:
+    """Counts by group id turned into counts by the groups' ranks (see ``traffic``)."""
+    for gid, work in any_source:
+        try:
+            peer = source_rank(work) if work.is_completed() else None
+        except Exception:
+            peer = None
+        received[(gid, peer)] = received.get((gid, peer), 0) + 1
+    alive = {gid: ranks for gid, ranks in ((g, _group_ranks(grp)) for g, grp in groups.items())
+             if ranks is not None}
+    out: dict = {"sent": {}, "received": {}, "collectives": {}}
+    for name, table in (("sent", sent), ("received", received)):
+        for (gid, peer), n in table.items():
+            if gid in alive:
+                key = (alive[gid], peer)
+                out[name][key] = out[name].get(key, 0) + n
+    for gid, n in collectives.items():
+        if gid in alive:
+            out["collectives"][alive[gid]] = out["collectives"].get(alive[gid], 0) + n
+    return out
 
 
 def _p2p_args(name: str, args: tuple, kwargs: dict) -> tuple:

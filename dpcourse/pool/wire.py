@@ -24,9 +24,10 @@ from .errors import SerializationError
 #                                 observed: [observer.result() for each observer of the call]
 #                                 ("raised", run_id, summary, tb, exc, after)
 #                                 ("interrupted", run_id, after)
-#                                 after: (intact, traffic): whether the pool's default process
-#                                 group still exists; the call's messages and collectives
-#                                 (CollectiveTracker.traffic(), None if unknown)
+#                                 after: (intact, traffic, left): whether the pool's default
+#                                 process group still exists; the call's messages and collectives
+#                                 (CollectiveTracker.traffic(), None if unknown); (pid, name) of
+#                                 the processes a script left running, which the rank stopped
 # kernel -> rank (control socket): ("status",)
 # rank -> kernel (control socket): ("out", stream, text) | ("status", state_dict)
 

@@ -1,0 +1,93 @@
+"""A script run on a rank sees what ``python script.py`` would: its folder first on ``sys.path``
+and the learner's own modules imported afresh.
+
+Runs on the ranks. Persistent ranks keep ``sys.path`` and ``sys.modules`` between calls, which
+a fresh torchrun process would not: an edited ``utils.py`` beside a script would stay stale,
+and two projects' ``utils.py`` would collide. So, for the length of one script run:
+
+* the script's folder (the rank's working folder for a ``%%ranks --script`` cell, as for
+  ``python -c``) is put first on ``sys.path``; ``sys.path`` is restored afterwards;
+* the learner's modules -- those loaded from outside the Python installation and outside this
+  package: the script's folder, the notebook's folder, anything on a path the learner added --
+  are set aside before the run and put back after it, and the ones the run imported are
+  dropped, with the import caches invalidated, so the next run imports them from the files
+  as they are then.
+
+The installation's modules (the standard library, site-packages: torch, numpy, ...) and this
+package's stay loaded: importing them again would cost seconds and change nothing.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import linecache
+import os
+import sys
+import sysconfig
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def _installation_roots() -> tuple[str, ...]:
+    roots = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
+    roots.update(p for p in sysconfig.get_paths().values() if p)
+    try:
+        import site
+
+        roots.update(site.getsitepackages())
+        roots.add(site.getusersitepackages())
+    except Exception:  # noqa: BLE001 -- a stripped-down site module: the prefixes suffice
+        pass
+    found = {os.path.join(os.path.realpath(r), "") for r in roots if r}
+    found |= {os.path.join(os.path.abspath(r), "") for r in roots if r}
+    return tuple(sorted(found)) + (_PACKAGE_DIR, os.path.join(os.path.realpath(_PACKAGE_DIR), ""))
+
+
+_ROOTS: tuple[str, ...] | None = None
+
+
+def is_learners(module) -> bool:
+    """True for a module loaded from outside the Python installation and this package."""
+    global _ROOTS
+    if _ROOTS is None:
+        _ROOTS = _installation_roots()
+    file = getattr(module, "__file__", None)
+    places = [file] if isinstance(file, str) else []
+    if not places:  # a namespace package has locations but no file; builtins have neither
+        try:
+            places = [p for p in getattr(module, "__path__", None) or () if isinstance(p, str)]
+        except Exception:  # noqa: BLE001 -- an odd __path__ object: not the learner's
+            return False
+    if not places:
+        return False
+    return not any(os.path.abspath(p).startswith(_ROOTS) for p in places)
+
+
+def _script_folder(path: str) -> str:
+    """The folder ``python path`` puts first on ``sys.path`` (the working folder for a cell)."""
+    if path.startswith("<"):  # a %%ranks --script cell: as `python -c`, the working folder
+        return os.getcwd()
+    return os.path.dirname(os.path.abspath(path))
+
+
+@contextlib.contextmanager
+def script_imports(path: str):
+    """For one script run: its folder first on ``sys.path``, the learner's modules fresh."""
+    saved_path = list(sys.path)
+    set_aside = {name: m for name, m in list(sys.modules.items()) if name != "__main__" and is_learners(m)}
+    for name in set_aside:
+        del sys.modules[name]
+    before = set(sys.modules)
+    importlib.invalidate_caches()
+    linecache.checkcache()  # tracebacks show the files as they are now
+    sys.path.insert(0, _script_folder(path))
+    try:
+        yield
+    finally:
+        sys.path[:] = saved_path
+        for name in [n for n in sys.modules if n not in before and n != "__main__"]:
+            module = sys.modules.get(name)
+            if module is None or is_learners(module):
+                sys.modules.pop(name, None)
+        sys.modules.update(set_aside)
+        importlib.invalidate_caches()
