@@ -1,112 +1,191 @@
-"""Exercise B: the learner writes a DDP and an FSDP ``FULL_SHARD`` set-up and predicts, before
-running, what each rank holds and sends; the checker runs both and judges.
+"""Exercise B: the learner writes a DDP and an FSDP ``FULL_SHARD`` set-up, and the formulas
+for what one rank holds and sends under each; the checker runs both and judges.
 
-    report = dpc.exercises.check_b(wrap_ddp, wrap_fsdp, predicted, faster)
+    predicted = {"held": held, "sent_per_step": sent_per_step}
+    report = dpc.exercises.check_b(wrap_ddp, wrap_fsdp, predicted)
 
-Both set-ups train the course's MLP (``SIZES``) for a few Adam steps on 2 ranks, under the
-course's observers: ``Memory`` (what each rank holds right after the last
-``optimizer.step()``), ``Comm`` (the bytes each collective makes a rank send, as a
-bandwidth-optimal ring sends them) and ``Timeline`` (step time, and communication nobody
-hid). Judged: each set-up trains like one process and is what it says (DDP replicates and
-all-reduces; FULL_SHARD holds 1/N and gathers every unit again for backward); each of the
-eight predictions holds within ``TOLERANCE``, said as too high / too low and roughly by how
-much, never as the measured value; and which set-up is faster here. The explanation of the
-speed, from the measured split of a step, comes with the report once ``faster`` is given.
+``held(units, world_size, setup)`` returns {"parameters", "gradients", "optimizer_state"}:
+bytes one rank holds right after ``optimizer.step()``; ``sent_per_step(units, world_size,
+setup)`` the bytes one rank sends in one training step, as a bandwidth-optimal ring sends
+them. ``units``: parameters (elements) per FSDP unit -- each block, then the root (what is
+left: the head) -- a list of ints; ``world_size``: ranks; ``setup``: "ddp" or "fsdp".
 
-Speed is judged on each set-up's fastest step after the first (the first builds FSDP's units
-and Adam's state; interference from other processes only ever adds time), and only where one
-set-up's is at least ``CLEAR`` times the other's. A closer call is timed once more; still
-close, either answer holds: the two are a tie on these ranks.
+Both set-ups train the course's MLP at three sizes on 2, 3 and 4 ranks (``CASES``) under the
+course's observers: ``setups.AtRest`` (what each rank holds after each step: the
+``Memory`` observer's at-rest walk) and ``Comm`` (the bytes each collective makes a rank
+send). Judged: each set-up trains like one process and is what it says (DDP replicates and
+all-reduces; FULL_SHARD holds 1/N and gathers every unit again for backward); each formula
+on every case, within ``TOLERANCE``, said as too high / too low and roughly by how much,
+never as the measured value. A formula that uses the course's own calculators
+(``dpc.memory.ledger``, ``dpc.collectives.step_bytes``, ...) is refused, read from its code.
+
+Then the large model (``LARGE``) on 2 ranks with a memory budget of ``BUDGET_MIB`` per rank:
+on Linux the budget is enforced for real -- the rank's data-segment limit
+(``RLIMIT_DATA``, soft limit only, restored after) is set to what it already uses plus the
+budget, so the allocator itself refuses, and the rank's ``RuntimeError`` reaches the kernel as
+a ``RankError``. On GPU ranks the CUDA caching allocator's limit does the same
+(``set_per_process_memory_fraction``). DDP runs out of it, FULL_SHARD fits. Elsewhere (no
+enforceable limit, e.g. macOS) the report says so and compares the ``Memory`` observer's peak
+with the budget. The note gives each set-up's peak memory and steps per second.
 """
 from __future__ import annotations
 
+import sys
+from collections.abc import Mapping
+
 from .. import models
-from ..observe import Comm, Memory, Timeline
+from ..observe import Comm, Memory
+from ..pool import RankError, RankTimeout
 from . import setups
-from .ranks import RankFailure, blanks_in, clusters_for, run_or_failure
+from .ranks import RankFailure, blanks_in, clusters_for, run_or_failure, warm_up
 from .report import Report
 
-WORLD_SIZE = 2
-SIZES = {"d_hidden": 128, "depth": 4}
-STEPS = 8        # Adam steps: the first warms up, the rest are timed
+# (world size, the MLP's sizes): three models on three world sizes
+CASES = ((2, {"d_hidden": 128, "depth": 4}), (3, {"d_hidden": 96, "depth": 3}), (4, {"d_hidden": 160, "depth": 5}))
+SIZES = CASES[0][1]   # the course's MLP
+STEPS = 5             # Adam steps per run: judged after the last; the first warms up
 TOLERANCE = 0.05
-CLEAR = 1.25     # a speed verdict needs one set-up's fastest step this many times the other's
 CATEGORIES = ("parameters", "gradients", "optimizer_state")
 NAMES = {"ddp": "DDP", "fsdp": "FULL_SHARD"}
+# the model that does not fit under DDP and fits under FULL_SHARD on 2 ranks: 4.2 M parameters,
+# 16 MiB of float32. DDP needs about 90 MiB per rank, FULL_SHARD about 46 (measured here).
+LARGE = {"d_hidden": 1024, "depth": 5}
+LARGE_STEPS = 4
+BUDGET_MIB = 64
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 
 
-def check_b(wrap_ddp, wrap_fsdp, predicted: dict, faster=..., cluster=None, timeout: float = 120.0) -> Report:
-    """Run the learner's two set-ups on 2 ranks and judge them and the predictions.
+def check_b(wrap_ddp, wrap_fsdp, predicted, cluster=None, timeout: float = 120.0) -> Report:
+    """Run the learner's two set-ups on 2, 3 and 4 ranks, judge them and the formulas, and run
+    them on the large model within a memory budget.
 
-    predicted: {"ddp": {...}, "fsdp": {...}}, each with "parameters", "gradients",
-    "optimizer_state" (bytes one rank holds right after optimizer.step()) and
-    "sent_per_step" (bytes one rank sends per training step). faster: "ddp" or "fsdp".
+    predicted: {"held": held, "sent_per_step": sent_per_step}, two functions of (units,
+    world_size, setup) -- see the module's docstring. cluster: a ``dpc.Cluster`` (or a list
+    of them) to reuse where its size fits; others are started and shut down.
     """
-    report = Report("Exercise B")
-    blanks = [fn.__name__ for fn in (wrap_ddp, wrap_fsdp) if blanks_in(fn)]
+    report = Report("Exercise B", key="B")
+    wraps = {"ddp": wrap_ddp, "fsdp": wrap_fsdp}
+    blanks = [fn.__name__ for fn in wraps.values() if blanks_in(fn)]
     if blanks:
         report.attempted = False
         report.note = f"Write the wrapping lines in {' and '.join(blanks)} (replace the `...`), then run this cell again."
         return report
-    reference = setups.one_process(SIZES, WORLD_SIZE, STEPS)
-    wraps = {"ddp": wrap_ddp, "fsdp": wrap_fsdp}
-    measured, fastest = {}, {}
-    with clusters_for(cluster, [WORLD_SIZE]) as clusters:
-        for key, wrap in wraps.items():
-            memory, comm, timeline = Memory(), Comm(), Timeline()
-            out = run_or_failure(clusters[WORLD_SIZE], setups.train_wrapped, wrap, SIZES, STEPS, timeout=timeout,
-                                 observe=[memory, comm, timeline])
-            measured[key] = None if isinstance(out, RankFailure) else (out, memory, comm, timeline)
-            name = f"your {NAMES[key]} set-up trains like one process"
-            if isinstance(out, RankFailure):
-                report.add(name, False, out.describe(timeout))
-            else:
-                report.add(name, *setups.weights_verdict(out, reference))
-                fastest[key] = _fastest_step(timeline)
-        if faster in NAMES and len(fastest) == len(NAMES) and not _clear(fastest):
-            for key, wrap in wraps.items():  # a close call: time both once more
-                timeline = Timeline()
-                out = run_or_failure(clusters[WORLD_SIZE], setups.train_wrapped, wrap, SIZES, STEPS,
-                                     timeout=timeout, observe=[Memory(), Comm(), timeline])
-                if not isinstance(out, RankFailure):
-                    fastest[key] = min(fastest[key], _fastest_step(timeline))
-    model = models.build_model("mlp", **SIZES)
-    kinds = {"ddp": report.add("your DDP set-up replicates: every rank holds all parameters and all-reduces "
-                               "the gradients", *_judge_ddp(measured["ddp"], model)),
-             "fsdp": report.add("your FSDP set-up is FULL_SHARD: 1/2 of the parameters per rank, every unit "
-                                "gathered again for backward", *_judge_full_shard(measured["fsdp"], model))}
-    judged = {}   # (set-up, what) -> the prediction passed
-    for key in ("ddp", "fsdp"):
-        guesses = predicted.get(key, {}) if isinstance(predicted, dict) else {}
+    formulas = _formulas(predicted)
+    measured = _measure(wraps, cluster, timeout)
+    for name, ok, detail in measured.set_ups:
+        report.add(name, ok, detail)
+    judged = {}
+    for key in NAMES:
         for what in CATEGORIES + ("sent_per_step",):
-            name = f"prediction: {NAMES[key]} {what.replace('_', ' ')}" + ("" if what == "sent_per_step" else " per rank")
-            if measured[key] is None:
-                report.add(name, None, "judged once the set-up runs")
-                continue
-            if not kinds[key].passed:  # its measurement is of another set-up than the one predicted
-                report.add(name, None, f"not judged: the set-up is not {NAMES[key]}")
-                continue
-            _, memory, comm, _ = measured[key]
-            value = sum(comm.bytes(rank=0, step=-1).values()) if what == "sent_per_step" else memory.at_rest(0)[what]
-            ok, detail = setups.miss(guesses.get(what, ...), value, TOLERANCE)
+            name = (f"prediction: {NAMES[key]} {what.replace('_', ' ')}"
+                    + ("" if what == "sent_per_step" else " per rank"))
+            ok, detail = _judge_prediction(key, what, formulas, measured.cases, measured.kinds[key])
             judged[key, what] = ok is True
-            report.add(name, ok, detail + (_why(key, what, guesses.get(what), value) if ok is False else ""))
-    report.add("prediction: the faster set-up on these ranks", *_judge_faster(faster, fastest))
-    if faster is not ... and all(measured.values()):
-        # the ratio of bytes sent would give one prediction away from the other: said once both passed
-        report.note = _explain(measured, fastest, judged.get(("ddp", "sent_per_step"), False)
-                               and judged.get(("fsdp", "sent_per_step"), False))
+            report.add(name, ok, detail)
+    _judge_large(report, measured.large, formulas)
+    report.note = _explain(measured.cases, measured.large,
+                           judged.get(("ddp", "sent_per_step")) and judged.get(("fsdp", "sent_per_step")))
+    if not report.passed:
+        report.note = (report.note + " Each failed item says what the ranks did. To compare with a reference: "
+                       "report.fix().").strip()
     return report
 
 
-def _judge_ddp(run, model) -> tuple[bool | None, str]:
-    if run is None:
-        return None, "judged once it runs"
-    _, memory, comm, _ = run
-    full = 4 * sum(p.numel() for p in model.parameters())
-    held = [memory.at_rest(r)["parameters"] for r in range(WORLD_SIZE)]
+class _Measured:
+    """What the ranks did with the two set-ups: ``cases`` (each with its runs), ``set_ups``
+    (the set-up items: name, ok, detail), ``kinds`` ({"ddp"/"fsdp": whether it is what it
+    says, None: it did not run}) and ``large`` (see ``_large_model``). Nothing of the
+    learner's formulas: they are judged against it in the kernel."""
+
+    def __init__(self, cases, set_ups, kinds, large):
+        self.cases, self.set_ups, self.kinds, self.large = cases, set_ups, kinds, large
+
+
+def _measure(wraps: dict, cluster, timeout: float) -> _Measured:
+    """Run both set-ups on every case, judge what they are, then the large model."""
+    cases = [_Case(n, sizes) for n, sizes in CASES]
+    with clusters_for(cluster, sorted({n for n, _ in CASES})) as clusters:
+        for case in cases:
+            for key, wrap in wraps.items():
+                if any(isinstance(c.runs.get(key), RankFailure) for c in cases):
+                    continue  # it failed on a smaller case already: the same error again
+                held, comm = setups.AtRest(), Comm()
+                out = run_or_failure(clusters[case.n], setups.train_wrapped, wrap, case.sizes, STEPS,
+                                     timeout=timeout, observe=[held, comm])
+                case.runs[key] = out if isinstance(out, RankFailure) else (out, held, comm)
+        set_ups, kinds = _judge_set_ups(cases)
+        large = _large_model(clusters[2], wraps, kinds, timeout)
+    return _Measured(cases, set_ups, kinds, large)
+
+
+class _Case:
+    """One model on one world size: its units, and each set-up's run."""
+
+    def __init__(self, n: int, sizes: dict):
+        self.n, self.sizes = n, sizes
+        self.model = models.build_model("mlp", **sizes)
+        self.units = models.unit_numels(self.model)
+        self.runs: dict = {}  # "ddp"/"fsdp" -> (results, AtRest, Comm) or a RankFailure
+
+    @property
+    def where(self) -> str:
+        return f"on {self.n} ranks with units={self.units}"
+
+    def measured(self, key: str, what: str) -> float:
+        _, held, comm = self.runs[key]
+        return sum(comm.bytes(rank=0, step=-1).values()) if what == "sent_per_step" else held.at_rest(0)[what]
+
+
+# --- the set-ups ---------------------------------------------------------------------------------
+
+def _judge_set_ups(cases: list) -> tuple[list, dict]:
+    """The set-up items [(name, ok, detail)], and {"ddp": True/False/None, "fsdp": ...}:
+    whether each is what it says (None: it did not run)."""
+    items, references = [], {}
+    for key in NAMES:
+        ok, detail, worst = True, "", 0.0
+        for case in cases:
+            run = case.runs.get(key)
+            if isinstance(run, RankFailure):
+                ok, detail = False, f"on {case.n} ranks: {run.describe(120)}"
+                break
+            if run is None:
+                continue
+            if case.n not in references:
+                references[case.n] = setups.one_process(case.sizes, case.n, STEPS)
+            fine, said = setups.weights_verdict(run[0], references[case.n])
+            if not fine:
+                ok, detail = False, f"on {case.n} ranks: {said}"
+                break
+            worst = max(worst, float(said.rsplit(" ", 1)[1]))
+        if ok:
+            detail = f"on {setups.many([c.n for c in cases])} ranks, largest difference {worst:.1e}"
+        items.append((f"your {NAMES[key]} set-up trains like one process", ok, detail))
+    kinds = {}
+    for key, judge, name in (("ddp", _judge_ddp, "your DDP set-up replicates: every rank holds all parameters and "
+                                                  "all-reduces the gradients"),
+                             ("fsdp", _judge_full_shard, "your FSDP set-up is FULL_SHARD: 1/N of the parameters per "
+                                                         "rank, every unit gathered again for backward")):
+        verdict = (None, "judged once it runs")
+        for case in cases:
+            run = case.runs.get(key)
+            if not isinstance(run, tuple):
+                verdict = (None, "judged once it runs")
+                break
+            verdict = judge(run, case)
+            if verdict[0] is False:
+                verdict = (False, f"on {case.n} ranks: {verdict[1]}")
+                break
+        kinds[key] = verdict[0]
+        items.append((name, *verdict))
+    return items, kinds
+
+
+def _judge_ddp(run, case) -> tuple[bool, str]:
+    _, held, comm = run
+    full = 4 * sum(case.units)
     calls = comm.calls(rank=0, step=-1)
-    if any(h < full for h in held):
+    if any(held.at_rest(r)["parameters"] < full for r in range(case.n)):
         return False, "a rank holds only part of the parameters: that is sharding, not DDP"
     if "all_reduce" not in calls or "all_gather" in calls:
         return False, (f"a step's collectives were {dict(calls)}: a replica's gradients are averaged by "
@@ -114,15 +193,13 @@ def _judge_ddp(run, model) -> tuple[bool | None, str]:
     return True, "a full replica on every rank; the gradients all-reduced"
 
 
-def _judge_full_shard(run, model) -> tuple[bool | None, str]:
-    if run is None:
-        return None, "judged once it runs"
-    _, memory, comm, _ = run
-    full = 4 * sum(p.numel() for p in model.parameters())
-    held = [memory.at_rest(r)["parameters"] / full for r in range(WORLD_SIZE)]
+def _judge_full_shard(run, case) -> tuple[bool, str]:
+    _, held, comm = run
+    full = 4 * sum(case.units)
+    shares = [held.at_rest(r)["parameters"] / full for r in range(case.n)]
     calls = comm.calls(rank=0, step=-1)
-    if any(abs(h - 1 / WORLD_SIZE) > 0.05 for h in held):
-        return False, (f"the ranks hold {', '.join(f'{h:.0%}' for h in held)} of the parameters between steps: "
+    if any(abs(s - 1 / case.n) > 0.05 for s in shares):
+        return False, (f"the ranks hold {', '.join(f'{s:.0%}' for s in shares)} of the parameters between steps: "
                        "FULL_SHARD shards them over all ranks")
     gathers, scatters = calls.get("all_gather", 0), calls.get("reduce_scatter", 0)
     if not scatters:
@@ -132,81 +209,381 @@ def _judge_full_shard(run, model) -> tuple[bool | None, str]:
                        "only once, so the parameters stayed gathered from forward to backward -- that is "
                        "SHARD_GRAD_OP (reshard_after_forward=False), or a single unit for the whole model, "
                        "which FSDP keeps gathered: make each block a unit of its own")
-    return True, "sharded over both ranks; every unit gathered again for backward"
+    return True, "sharded over all ranks; every unit gathered again for backward"
 
 
-def _why(key: str, what: str, guess, value: float) -> str:
-    """A hint for a prediction off by a telling factor (from the factor alone, not the value)."""
-    if not isinstance(guess, (int, float)) or isinstance(guess, bool) or not guess or not value:
-        return ""
-    ratio = guess / value
+# --- the formulas --------------------------------------------------------------------------------
+
+def _formulas(predicted) -> dict:
+    """{"held": (fn, problem), "sent_per_step": (fn, problem)}: problem "" when fn can be judged."""
+    out = {}
+    for part in ("held", "sent_per_step"):
+        fn = predicted.get(part, ...) if isinstance(predicted, Mapping) else ...
+        if fn is ... or fn is None:
+            out[part] = (None, "no prediction yet" if isinstance(predicted, Mapping) else
+                         'predicted = {"held": held, "sent_per_step": sent_per_step}: two functions, please')
+        elif not callable(fn):
+            out[part] = (None, f"predicted[{part!r}] is a {type(fn).__name__}: a function of (units, world_size, "
+                               "setup), please")
+        else:
+            used = setups.calculator_in(fn)
+            out[part] = (fn, f"refused: {getattr(fn, '__name__', part)}() uses {used}, the course's own calculator "
+                             "-- write the formula yourself, from units, world_size and setup" if used else "")
+    return out
+
+
+def _judge_prediction(key: str, what: str, formulas: dict, cases: list, kind) -> tuple[bool | None, str]:
+    part = "sent_per_step" if what == "sent_per_step" else "held"
+    fn, problem = formulas[part]
+    if fn is None:
+        return (None if problem == "no prediction yet" else False), problem
+    if problem:
+        return False, problem
+    if kind is None:
+        return None, "judged once the set-up runs"
+    if kind is False:  # its measurement is of another set-up than the one predicted
+        return None, f"not judged: the set-up is not {NAMES[key]}"
+    fname = getattr(fn, "__name__", part)
+    verdicts = []
+    for case in cases:
+        value, error = setups.call_formula(fn, list(case.units), case.n, key)
+        if error:
+            return False, f"{fname}(units, {case.n}, {key!r}) raised {error} (units={case.units})"
+        if part == "held" and value is not ... and not isinstance(value, Mapping):
+            return False, (f"{fname}() returned a {type(value).__name__}: a dict of "
+                           f"{', '.join(repr(c) for c in CATEGORIES)}, in bytes")
+        if part == "held" and value is not ...:
+            value = value.get(what, ...)
+        value = setups.as_bytes(value)
+        measured = case.measured(key, what)
+        ok, detail = setups.miss(value, measured, TOLERANCE)
+        if ok is None:
+            return None, detail
+        verdicts.append((case, ok, detail, value / measured if ok is False and isinstance(value, float) and measured
+                         else None))
+    failed = [v for v in verdicts if v[1] is False]
+    if not failed:
+        return True, f"within {TOLERANCE:.0%} on {setups.many([c.n for c in cases])} ranks, three model sizes"
+    case, _, detail, ratio = failed[0]
+    why = _why(key, what, ratio, case.n) if ratio else ""
+    if not why and len(failed) < len(verdicts):
+        held_on = [v[0].n for v in verdicts if v[1]]
+        why = (f" -- it holds on {setups.many(held_on)} ranks, for another model: does it use units and "
+               "world_size everywhere, and no number of one model?")
+    return False, f"{case.where}: {detail}{why}"
+
+
+def _why(key: str, what: str, ratio: float, n: int) -> str:
+    """A hint for a formula off by a telling factor (from the factor alone, not the value)."""
     near = lambda x: abs(ratio - x) < 0.1 * x  # noqa: E731
     if what == "optimizer_state" and any(near(x) for x in (0.5, 2, 0.25, 4)):
         keeps = "a full replica" if key == "ddp" else "1/N of it"
         return (f" -- {NAMES[key]} keeps {keeps} per rank; and how many tensors the size of the parameters "
                 "does Adam keep per parameter?")
-    if key == "fsdp" and what in CATEGORIES and near(WORLD_SIZE):
+    if key == "fsdp" and what in CATEGORIES and near(n):
         return " -- FULL_SHARD keeps 1/N of it per rank, between steps too"
-    if key == "ddp" and what in CATEGORIES and near(1 / WORLD_SIZE):
+    if key == "ddp" and what in CATEGORIES and near(1 / n):
         return " -- DDP keeps a full replica on every rank"
-    if what == "sent_per_step" and (near(WORLD_SIZE / (WORLD_SIZE - 1)) or near(2 * WORLD_SIZE / (WORLD_SIZE - 1))):
+    if what == "sent_per_step" and (near(n / (n - 1)) or near(2 * n / (n - 1))):
         return " -- in a ring, a rank sends (N-1)/N of the data per phase, not all of it"
     if what == "sent_per_step" and key == "fsdp" and (near(2 / 3) or near(1.5)):
         return " -- count FULL_SHARD's collectives: how often is each unit gathered in a step?"
-    if what in CATEGORIES and (near(0.5) or near(2)):
+    if what == "sent_per_step" and key == "ddp" and near(0.5):
+        return " -- an all-reduce in a ring is two phases: a reduce-scatter, then an all-gather"
+    if what in CATEGORIES and (near(0.5) or near(2) or near(0.25) or near(4)):
         return " -- bytes, for float32 elements"
     return ""
 
 
-def _fastest_step(timeline: Timeline) -> float:
-    seconds = timeline.step_seconds(rank=0)
-    return min(seconds[1:] or seconds)
+# --- the large model in a budget -----------------------------------------------------------------
+
+def budget_enforced() -> bool:
+    """Can a rank's allocations be refused beyond a budget here? On Linux (4.7 or later),
+    ``RLIMIT_DATA`` covers the heap and every private writable mapping: every tensor."""
+    import resource
+
+    return sys.platform.startswith("linux") and hasattr(resource, "RLIMIT_DATA")
 
 
-def _clear(fastest: dict) -> bool:
-    return max(fastest.values()) >= CLEAR * min(fastest.values())
+def _status(key: str) -> int | None:
+    """A line of /proc/self/status in bytes (VmData, VmRSS, VmHWM), or None."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
-def _judge_faster(faster, fastest: dict) -> tuple[bool | None, str]:
-    """The answer against each set-up's fastest step on rank 0 (seconds, by "ddp"/"fsdp")."""
-    if faster is ... or faster is None:
-        return None, "no prediction yet"
-    if faster not in NAMES:
-        return False, f"answer 'ddp' or 'fsdp', not {faster!r}"
-    if len(fastest) < len(NAMES):
-        return None, "judged once both set-ups run"
-    if not _clear(fastest):
-        return True, (f"too close to call on these ranks (the fastest steps within {CLEAR - 1:.0%} of each "
-                      "other, timed twice), so either answer holds; the note below gives the split")
-    won = min(fastest, key=fastest.get)
-    if faster == won:
-        return True, "as measured; the note below says why"
-    return False, f"on these ranks {NAMES[won]}'s steps took less time; the note below says why"
+def _libc():
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None)
+        return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
 
 
-def _explain(measured, fastest: dict, ratio_known: bool) -> str:
-    """Why one set-up is faster here, from the measured split of a step; the ratio of the bytes
-    the two send only when ``ratio_known`` (both predictions of it passed)."""
-    parts, sent = [], {}
-    for key, (_, _, comm, timeline) in measured.items():
-        summary = timeline.summary(rank=0)
-        calls = sum(comm.calls(rank=0, step=-1).values())
-        sent[key] = sum(comm.bytes(rank=0, step=-1).values())
-        parts.append(f"{NAMES[key]}'s fastest step took {fastest[key] * 1e3:.1f} ms; its last one issued {calls} "
-                     f"collective(s), with {summary['exposed_s'] * 1e3:.1f} ms of communication no compute hid")
-    more = (f"{sent['fsdp'] / sent['ddp']:.1f} times DDP's bytes" if sent["ddp"] and ratio_known
+def _heap_free(libc) -> int:
+    """Bytes free inside malloc's heaps: memory the rank already has mapped and may reuse."""
+    import ctypes
+
+    if libc is None or not hasattr(libc, "mallinfo2"):
+        return 0
+
+    class Mallinfo2(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                   "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    libc.mallinfo2.restype = Mallinfo2
+    return int(libc.mallinfo2().fordblks)
+
+
+def _run_large(wrap, sizes: dict, steps: int, budget: int | None) -> dict:
+    """On each rank: train ``sizes`` under ``wrap``; with ``budget`` (bytes), inside a data
+    limit of what the rank uses now plus ``budget``. Returns {"peak_added": bytes the run
+    added to the rank's resident memory at its fullest (None where that is not measured)}.
+
+    Large tensors are mapped and unmapped one by one (``mallopt``, for this process, which
+    the checker restarts afterwards), so the limit sees each; memory free in malloc's heaps
+    is subtracted, since the run may reuse it without asking. The soft limit is restored
+    before the error leaves the function. (Not ``RLIMIT_AS``: it counts address space malloc
+    reserved and never touched -- each thread arena's 64 MiB heap -- which a run then grows
+    into unseen; measured here, DDP then fitted a 64 MiB budget it needs 90 MiB for.)"""
+    import gc
+    import resource
+
+    from ..backends import rank_device
+
+    device = rank_device()
+    if device.type == "cuda":
+        return _run_large_on_gpu(wrap, sizes, steps, budget, device)
+    gc.collect()
+    libc = _libc()
+    if libc is not None:
+        libc.mallopt(M_MMAP_THRESHOLD, 128 * 1024)
+        libc.malloc_trim(0)
+    start = _status("VmRSS")
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # the resident high-water mark starts again from here
+    except OSError:
+        start = None
+    limits = None
+    if budget is not None:
+        limits = resource.getrlimit(resource.RLIMIT_DATA)
+        limit = _status("VmData") + budget - _heap_free(libc)
+        if limits[1] != resource.RLIM_INFINITY:
+            limit = min(limit, limits[1])
+        resource.setrlimit(resource.RLIMIT_DATA, (limit, limits[1]))
+    try:
+        setups.train_wrapped(wrap, sizes, steps, weights=False)
+    finally:
+        if limits is not None:
+            resource.setrlimit(resource.RLIMIT_DATA, limits)
+    gc.collect()
+    peak = _status("VmHWM")
+    return {"peak_added": peak - start if start is not None and peak is not None else None}
+
+
+def _run_large_on_gpu(wrap, sizes: dict, steps: int, budget: int | None, device) -> dict:
+    """``_run_large`` where the ranks train on GPUs: the budget is the caching allocator's
+    (``set_per_process_memory_fraction``: what it holds now plus ``budget``, restored after),
+    the peak its most allocated bytes."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    start = torch.cuda.memory_allocated(device)
+    if budget is not None:
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, (torch.cuda.memory_reserved(device) + budget) / total),
+                                                   device)
+    try:
+        setups.train_wrapped(wrap, sizes, steps, weights=False)
+    finally:
+        if budget is not None:
+            torch.cuda.set_per_process_memory_fraction(1.0, device)
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"peak_added": torch.cuda.max_memory_allocated(device) - start}
+
+
+def _out_of_memory(err: RankError) -> tuple[int, str] | None:
+    """(the first rank the allocator refused, what it raised, in a few words), or None for
+    another failure."""
+    import re
+
+    for rank in sorted(err.failures):
+        summary = err.failures[rank].summary
+        if any(s in summary for s in ("can't allocate memory", "not enough memory", "MemoryError",
+                                      "Cannot allocate memory", "out of memory")):
+            kind = summary.removeprefix("raised ").split(":")[0]
+            asked = re.search(r"allocate (\d+) bytes", summary)
+            on_gpu = re.search(r"allocate ([\d.]+) ([KMG]iB)", summary)  # the CUDA caching allocator's words
+            return rank, (f"{kind}: the allocator refused {int(asked.group(1)) / 2**20:.1f} MiB more" if asked else
+                          f"{kind}: the allocator refused {on_gpu.group(1)} {on_gpu.group(2)} more" if on_gpu else
+                          f"{kind}: out of memory")
+    return None
+
+
+def _large_model(cluster, wraps: dict, kinds: dict, timeout: float) -> dict:
+    """Each set-up on the large model on 2 ranks: {"ddp": {...}, "fsdp": {...}} with
+    "outcome" ("fits", "out of memory", "over" (measured, not enforced), "failed", None: not
+    run, and "why" not), "rank", "error", "peak" (bytes), "steps_per_second", "enforced".
+    The ranks are restarted afterwards (by a failure, or here)."""
+    from ..backends import uses_cuda
+
+    on_gpu = uses_cuda(cluster.backend)
+    enforced = budget_enforced() or on_gpu  # a GPU rank's caching allocator takes a budget anywhere
+    budget = BUDGET_MIB << 20
+    found = {key: {"outcome": None, "enforced": enforced, "on_gpu": on_gpu,
+                   "why": "judged once the set-up runs" if kinds.get(key) is None else
+                   f"not judged: the set-up is not {NAMES[key]}"} for key in NAMES}
+    restarted = False
+
+    def run(key, limit, observers):
+        nonlocal restarted
+        try:
+            out = cluster.run(_run_large, wraps[key], LARGE, LARGE_STEPS, limit, timeout=timeout, observe=observers)
+            return out, None
+        except (RankError, RankTimeout) as err:
+            restarted = restarted or getattr(err, "restarted", True)
+            warm_up(cluster)  # the cluster is usable again: the next call proves it
+            return None, err
+
+    if enforced:
+        plan = [("ddp", None), ("fsdp", budget), ("ddp", budget)]  # DDP's own peak first, then the budget
+    else:
+        plan = [("ddp", None), ("fsdp", None)]
+    for key, limit in plan:
+        if not kinds.get(key) or found[key]["outcome"] == "failed":
+            continue
+        held = setups.AtRest()
+        memory = Memory() if not enforced else None
+        out, err = run(key, limit, [held] + ([memory] if memory else []))
+        entry = found[key]
+        if err is not None:
+            oom = _out_of_memory(err) if isinstance(err, RankError) else None
+            if limit is not None and oom:
+                entry.update(outcome="out of memory", rank=oom[0], error=oom[1])
+            else:
+                lines = str(err).splitlines()
+                entry.update(outcome="failed", error=lines[1 if isinstance(err, RankError) else 0][:200])
+            continue
+        peak = memory.peak(0)[0] if memory else out[0]["peak_added"]
+        if limit is None:  # a run to measure: its peak and speed
+            entry.update(peak=peak, steps_per_second=held.steps_per_second(0))
+            if not enforced:
+                entry.update(outcome="fits" if peak <= budget else "over")
+        else:
+            entry.update(outcome="fits", peak=peak, steps_per_second=held.steps_per_second(0))
+    if any(kinds.get(k) for k in NAMES) and not restarted:
+        cluster.restart()  # fresh ranks: the malloc setting of these runs goes with the old ones
+        warm_up(cluster)
+    return found
+
+
+def _judge_large(report: Report, large: dict, formulas: dict) -> None:
+    yours = _your_formulas(formulas)
+    for key in NAMES:
+        entry, name = large[key], f"the large model in {BUDGET_MIB} MiB per rank: {NAMES[key]}"
+        outcome = entry["outcome"]
+        mine = yours.get(key, "")
+        if outcome is None:
+            report.add(name, None, entry["why"])
+        elif outcome == "failed":
+            report.add(name, False, f"it failed for another reason than memory: {entry['error']}")
+        elif key == "ddp":
+            if outcome == "out of memory":
+                report.add(name, True, f"DDP ran out of the {BUDGET_MIB} MiB budget on rank {entry['rank']} "
+                                       f"({entry['error']}): every rank holds the whole model, its gradients and "
+                                       f"Adam's two moments{mine}")
+            elif entry["enforced"]:
+                report.add(name, False, f"DDP fitted in {BUDGET_MIB} MiB: every rank should hold the whole model, its "
+                                        "gradients and Adam's two moments -- is it DDP of the whole model?")
+            else:  # measured, not enforced
+                report.add(name, outcome == "over",
+                           f"DDP's measured peak, {_mib(entry['peak'])} per rank, is "
+                           f"{'over' if outcome == 'over' else 'within'} the {BUDGET_MIB} MiB budget: every rank "
+                           f"holds the whole model, its gradients and Adam's two moments{mine}. {_NOT_ENFORCED}")
+        elif outcome == "out of memory":
+            report.add(name, False, f"FULL_SHARD ran out of the {BUDGET_MIB} MiB budget too, on rank {entry['rank']} "
+                                    "-- does every rank keep only its shard between steps, and gather one block at "
+                                    "a time?")
+        elif entry["enforced"]:
+            report.add(name, True, f"FULL_SHARD fits in {BUDGET_MIB} MiB on both ranks (its peak added "
+                                   f"{_mib(entry['peak'])}): each rank keeps 1/2 of the model's state and gathers "
+                                   f"one block at a time{mine}")
+        else:
+            fits = outcome == "fits"
+            report.add(name, fits, f"FULL_SHARD's measured peak, {_mib(entry['peak'])} per rank, is "
+                                   f"{'within' if fits else 'over'} the {BUDGET_MIB} MiB budget{mine}. {_NOT_ENFORCED}")
+
+
+_NOT_ENFORCED = ("This platform cannot refuse a process memory beyond a budget (no enforceable RLIMIT_DATA, e.g. "
+                 "macOS), so the peak is measured and compared instead of enforced.")
+
+
+def _mib(nbytes) -> str:
+    return "unmeasured" if nbytes is None else f"{nbytes / 2**20:.1f} MiB"
+
+
+def _your_formulas(formulas: dict) -> dict:
+    """{"ddp": "; your formulas say ...", ...}: the learner's own held() on the large model."""
+    fn, problem = formulas["held"]
+    if fn is None or problem:
+        return {}
+    units = models.unit_numels(models.build_model("mlp", **LARGE))
+    out = {}
+    for key in NAMES:
+        value, error = setups.call_formula(fn, list(units), 2, key)
+        if error or not isinstance(value, Mapping):
+            continue
+        values = [setups.as_bytes(value.get(c, ...)) for c in CATEGORIES]
+        if all(isinstance(v, float) for v in values):
+            out[key] = f"; your formulas say {_mib(sum(values))} between steps, before anything is gathered"
+    return out
+
+
+def _explain(cases: list, large: dict, ratio_known: bool) -> str:
+    """Peak memory and steps per second, measured, and why; the ratio of the bytes the two
+    send only when ``ratio_known`` (both predictions of it passed)."""
+    parts = []
+    small = cases[0]
+    rates = {k: small.runs[k][1].steps_per_second(0) for k in NAMES if isinstance(small.runs.get(k), tuple)}
+    if rates:
+        parts.append(f"the course's MLP on {small.n} ranks: " + ", ".join(
+            f"{NAMES[k]} {r:.0f} steps/s" for k, r in rates.items() if r))
+    sizes = []
+    for key in NAMES:
+        entry = large[key]
+        if entry.get("peak") is not None or entry.get("steps_per_second"):
+            speed = f", {entry['steps_per_second']:.1f} steps/s" if entry.get("steps_per_second") else ""
+            where = " (run without the budget)" if key == "ddp" and entry["enforced"] else ""
+            sizes.append(f"{NAMES[key]} peak {'+' if entry['enforced'] else ''}{_mib(entry.get('peak'))}{speed}{where}")
+    if sizes:
+        P = sum(p.numel() for p in models.build_model("mlp", **LARGE).parameters())
+        parts.append(f"the large model ({P:,} parameters, {_mib(4 * P)} of float32) on 2 ranks: " + "; ".join(sizes))
+    if not parts:
+        return ""
+    sent = {}
+    for key in NAMES:
+        if isinstance(small.runs.get(key), tuple):
+            sent[key] = sum(small.runs[key][2].bytes(rank=0, step=-1).values())
+    more = (f"{sent['fsdp'] / sent['ddp']:.1f} times DDP's bytes" if ratio_known and len(sent) == 2 and sent["ddp"]
             else "more bytes than DDP")
-    head = "Measured on rank 0, after the first step: " + "; ".join(parts) + ". "
-    tail = (" On GPUs with large layers, FSDP prefetches the next unit's gather while the current one "
-            "computes, and most of its communication hides.")
-    if not _clear(fastest):
-        return head + (f"This run does not separate them (fastest steps within {CLEAR - 1:.0%}). FULL_SHARD issues "
-                       f"more collectives and sends {more}: each collective pays a fixed cost whatever its size, "
-                       "which shows wherever compute cannot hide it.") + tail
-    if min(fastest, key=fastest.get) == "ddp":
-        return head + ("Every collective pays a fixed cost whatever its size, and this small model has little "
-                       "compute to hide it behind, so FULL_SHARD's many small gathers and reduce-scatters cost "
-                       f"more than DDP's one or two all-reduces, although it sends only {more}.") + tail
-    return head + ("FULL_SHARD's steps were the shorter here: its collectives hid under compute or cost little "
-                   f"on this backend, and each rank updates only 1/{WORLD_SIZE} of Adam's state, although it sends "
-                   f"{more}.") + tail
+    peak_word = ("the GPU memory a run allocated at its fullest" if large["ddp"].get("on_gpu") else
+                 "the resident memory a run added at its fullest" if large["ddp"]["enforced"] else
+                 "the Memory observer's peak")
+    return ("Measured on rank 0 (steps/s from the fastest step after the first; peak: " + peak_word + "): "
+            + " -- ".join(parts) + ". FULL_SHARD buys its memory with communication: it sends " + more
+            + " in many small collectives (a gather per unit, twice, and a reduce-scatter), and every collective "
+            "pays a fixed cost whatever its size, which these CPU ranks have little compute to hide. On GPUs with "
+            "large layers, FSDP gathers the next unit while the current one computes, and most of it hides.")

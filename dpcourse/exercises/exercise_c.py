@@ -1,23 +1,32 @@
-"""Exercise C: the learner writes four FSDP configurations and predicts, before running, how
-they order by memory and by bytes sent; the checker runs them on 4 ranks and judges.
+"""Exercise C: the learner writes four FSDP configurations and one function that predicts, for
+each, what a rank holds and sends; the checker runs them on 4 ranks and judges.
 
-    report = dpc.exercises.check_c(configs, predicted)
+    report = dpc.exercises.check_c(configs, predict)
 
 ``configs``: {"FULL_SHARD": wrap, "SHARD_GRAD_OP": wrap, "HYBRID_SHARD": wrap, "one unit":
 wrap}, each ``wrap(model) -> model`` in FSDP1 (``sharding_strategy``, an ``auto_wrap_policy``,
 a 2-D ``device_mesh`` for HYBRID) or FSDP2 (``fully_shard`` per block, ``reshard_after_forward``,
-a 2-D mesh). ``predicted``: three orderings of the four names, least first -- "at_rest"
-(bytes a rank holds between steps), "peak" (the most it holds during a step) and
-"sent_per_step" (bytes a rank sends per step). Values within ``TIE`` of each other are tied:
-either order passes.
+a 2-D mesh). ``predict(units, world_size, config)`` returns, for rank 0, {"at_rest": bytes
+held between steps, "peak": the most bytes held at once during a step, "sent_per_step":
+bytes sent in a step}; ``units`` are the parameters (elements) per FSDP unit of the MLP
+when each block is a unit -- the blocks, then the root -- and ``config`` one of the four
+names. The three orderings follow from these figures.
 
 Judged: each configuration trains like one process and behaves as its name says (what a rank
-holds, how often each unit is gathered, on which process groups); the memory orderings
-against the memory ledger for that configuration (deterministic), the bytes ordering against
-the ``Comm`` observer's count. What the machine measured -- memory next to the ledger -- is
-reported apart as "the machine's run", never as the learner's verdict.
+holds, how often each unit is gathered, on which process groups); each configuration's
+figures against what its run measured (``Memory``: at rest and peak; ``Comm``: bytes), said
+as too high / too low and roughly by how much, never as the value -- within ``TOLERANCE``,
+the peak within ``PEAK_TOLERANCE`` (activations, FSDP's prefetching and its copy buffers come
+on top of what is gathered); and the order the figures give, pair by pair. The machine's own
+noise never counts against the learner: a pair's order is judged only where the memory ledger
+(deterministic) and the measurement both separate the two by more than ``TIE``; what the
+machine measured next to the ledger is reported apart as "the machine's run". A set-up that
+is not what its name says leaves its figures "not judged", and out of the orderings. A
+``predict`` that uses the course's calculators (``dpc.memory.ledger``, ...) is refused.
 """
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 from .. import memory, models
 from ..observe import Comm, Memory
@@ -28,8 +37,11 @@ from .report import Report
 WORLD_SIZE, SHARD_GROUP = 4, 2   # HYBRID_SHARD: 2 "nodes" of 2 ranks
 SIZES = {"d_hidden": 128, "depth": 4}
 CONFIGS = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "one unit")
+FIGURES = {"at_rest": "held between steps", "peak": "at the fullest moment of a step",
+           "sent_per_step": "bytes sent per step"}
 ORDERINGS = {"at_rest": "between steps", "peak": "at the fullest moment of a step",
-             "sent_per_step": "bytes sent per step"}
+             "sent_per_step": "of bytes sent per step"}
+TOLERANCE, PEAK_TOLERANCE = 0.05, 0.35
 TIE = 0.03
 # why a configuration sits where it does, said when a learner's order puts it wrongly
 REASONS = {
@@ -47,9 +59,10 @@ REASONS = {
 }
 
 
-def check_c(configs: dict, predicted: dict, cluster=None, timeout: float = 180.0) -> Report:
-    """Run the learner's four configurations on 4 ranks and judge them and the orderings."""
-    report = Report("Exercise C")
+def check_c(configs: dict, predict, cluster=None, timeout: float = 180.0) -> Report:
+    """Run the learner's four configurations on 4 ranks and judge them, their figures and the
+    orderings the figures give."""
+    report = Report("Exercise C", key="C")
     unknown = sorted(set(configs) - set(CONFIGS))
     if unknown:
         raise ValueError(f"configs has {unknown}; its keys are {list(CONFIGS)}")
@@ -58,43 +71,136 @@ def check_c(configs: dict, predicted: dict, cluster=None, timeout: float = 180.0
         report.attempted = False
         report.note = "Write the four wrap functions (replace the `...`), then run this cell again."
         return report
+    model = models.build_model("mlp", **SIZES)
+    set_ups, runs, behaved = _measure(configs, blank, cluster, timeout)
+    for name, ok, detail in set_ups:
+        report.add(name, ok, detail)
+    books = {n: _ledger(model, api)[n] for n, (_, _, api) in runs.items()} if runs else {}
+    books = {**_ledger(model), **books}
+    measured = {n: {"at_rest": sum(h.at_rest(0).get(c, 0) for c in memory.AT_REST), "peak": h.peak(0)[0],
+                    "sent_per_step": sum(c.bytes(rank=0, step=-1).values())} for n, (h, c, _) in runs.items()}
+    figures, problem = _figures(predict, models.unit_numels(model))
+    judged = {}  # the configurations whose figures were judged: name -> its figures
+    for name in CONFIGS:
+        item = f"prediction: {name} per rank"
+        if problem:
+            report.add(item, None if problem == "no prediction yet" else False, problem)
+        elif name not in runs:
+            report.add(item, None, "judged once the set-up runs")
+        elif not behaved[name]:  # its measurement is of another set-up than the one predicted
+            report.add(item, None, f"not judged: the set-up is not {name}")
+        else:
+            ok, detail = _judge_figures(name, figures[name], measured[name])
+            report.add(item, ok, detail)
+            if ok is not None:
+                judged[name] = figures[name]
+    # the orders: the ledger and this machine's measurement; a pair is judged only where both separate it
+    for key, what in ORDERINGS.items():
+        sources = [{n: measured[n][key] for n in judged}]
+        if key != "sent_per_step":
+            sources.append({n: (sum(books[n].at_rest().values()) if key == "at_rest" else books[n].peak)
+                            for n in judged})
+        report.add(f"prediction: the order {what}",
+                   *_judge_order(key, judged, sources, problem, runs, behaved))
+    report.note = _machine(runs, books)
+    if report.attempted and not report.passed:
+        report.note = (report.note + " Each failed item says what the ranks did. To compare with a reference: "
+                       "report.fix().").strip()
+    return report
+
+
+def _measure(configs: dict, blank: list, cluster, timeout: float) -> tuple[list, dict, dict]:
+    """Run each configuration that is written: the set-up items [(name, ok, detail)], the runs
+    {name: (Memory, Comm, api)} and whether each behaved as its name says. Nothing of the
+    learner's figures: they are judged against it in the kernel."""
     reference = setups.one_process(SIZES, WORLD_SIZE)
-    runs, model = {}, models.build_model("mlp", **SIZES)
+    model = models.build_model("mlp", **SIZES)
+    items, runs, behaved = [], {}, {}
     with clusters_for(cluster, [WORLD_SIZE]) as clusters:
         for name in CONFIGS:
             item = f"{name}: trains like one process and behaves as {name}"
             if name in blank:
-                report.add(item, None, "replace the `...` first")
+                items.append((item, None, "replace the `...` first"))
                 continue
             held, comm = Memory(), Comm()
             out = run_or_failure(clusters[WORLD_SIZE], setups.train_wrapped, configs[name], SIZES,
                                  timeout=timeout, observe=[held, comm])
             if isinstance(out, RankFailure):
-                report.add(item, False, out.describe(timeout))
+                items.append((item, False, out.describe(timeout)))
                 continue
             ok, detail = setups.weights_verdict(out, reference)
             if ok:
                 ok, detail = _behaves(name, held, comm, model)
-            report.add(item, ok, detail)
-            runs[name] = (held, comm, out[0]["api"])
-    books = {n: _ledger(model, api)[n] for n, (_, _, api) in runs.items()} if runs else {}
-    books = {**_ledger(model), **books}
-    complete = len(runs) == len(CONFIGS)
-    # memory: the ledger and this machine's measurement; an order fails only where both say so
-    sources = {"at_rest": [{n: sum(b.at_rest().values()) for n, b in books.items()}],
-               "peak": [{n: b.peak for n, b in books.items()}],
-               "sent_per_step": [{n: sum(c.bytes(rank=0, step=-1).values()) for n, (_, c, _) in runs.items()}]}
-    if complete:
-        sources["at_rest"].append({n: sum(h.at_rest(0).get(c, 0) for c in memory.AT_REST)
-                                   for n, (h, _, _) in runs.items()})
-        sources["peak"].append({n: h.peak(0)[0] for n, (h, _, _) in runs.items()})
-    for key, what in ORDERINGS.items():
-        name = f"prediction: the order {what}"
-        guess = predicted.get(key, ...) if isinstance(predicted, dict) else ...
-        known = sources[key] if key != "sent_per_step" or complete else None
-        report.add(name, *_judge_order(key, guess, known))
-    report.note = _machine(runs, books)
-    return report
+            items.append((item, ok, detail))
+            runs[name], behaved[name] = (held, comm, out[0]["api"]), ok
+    return items, runs, behaved
+
+
+def _figures(predict, units: list) -> tuple[dict, str]:
+    """({config: {"at_rest": ..., "peak": ..., "sent_per_step": ...}}, problem): the learner's
+    figures for each configuration, or why there are none ("" when there are)."""
+    if predict is ... or predict is None:
+        return {}, "no prediction yet"
+    if not callable(predict):
+        return {}, f"predict is a {type(predict).__name__}: a function of (units, world_size, config), please"
+    used = setups.calculator_in(predict)
+    if used:
+        return {}, (f"refused: {getattr(predict, '__name__', 'predict')}() uses {used}, the course's own calculator "
+                    "-- write the figures yourself, from units, world_size and config")
+    fname = getattr(predict, "__name__", "predict")
+    figures = {}
+    for name in CONFIGS:
+        value, error = setups.call_formula(predict, list(units), WORLD_SIZE, name)
+        if error:
+            return {}, f"{fname}(units, {WORLD_SIZE}, {name!r}) raised {error}"
+        if value is ...:
+            value = {}
+        if not isinstance(value, Mapping):
+            return {}, f"{fname}() returned a {type(value).__name__}: a dict of 'at_rest', 'peak', 'sent_per_step'"
+        figures[name] = {k: setups.as_bytes(value.get(k, ...)) for k in FIGURES}
+    if all(v is ... for f in figures.values() for v in f.values()):
+        return {}, "no prediction yet"
+    return figures, ""
+
+
+def _judge_figures(name: str, figures: dict, measured: dict) -> tuple[bool | None, str]:
+    """One configuration's three figures against its run: each within its tolerance."""
+    parts, verdicts = [], []
+    for key, what in FIGURES.items():
+        ok, detail = setups.miss(figures[key], measured[key], PEAK_TOLERANCE if key == "peak" else TOLERANCE)
+        verdicts.append(ok)
+        value = figures[key]
+        why = (_why(name, key, value / measured[key]) if ok is False and isinstance(value, float) and measured[key]
+               else "")
+        parts.append(f"{what} {detail}{why}")
+    if any(v is False for v in verdicts):
+        return False, "; ".join(parts)
+    if any(v is None for v in verdicts):
+        return None, "; ".join(parts)
+    return True, "; ".join(parts)
+
+
+def _why(name: str, key: str, ratio: float) -> str:
+    """A hint for a figure off by a telling factor (from the factor alone, not the value)."""
+    near = lambda x: abs(ratio - x) < 0.1 * x  # noqa: E731
+    if key == "at_rest" and name == "HYBRID_SHARD" and near(0.5):
+        return " (HYBRID_SHARD shards over a group of 2 and keeps one replica per group)"
+    if key == "at_rest" and name != "HYBRID_SHARD" and (near(2) or near(4)):
+        return f" ({name} shards the parameters, gradients and optimizer state over all 4 ranks)"
+    if key == "at_rest" and (near(0.75) or near(1.5) or near(0.5)):
+        return " (how many tensors the size of the parameters does Adam keep?)"
+    if key == "peak" and name == "one unit" and ratio < 1:
+        return " (with one unit, what is gathered is the whole model)"
+    if key == "peak" and name == "SHARD_GRAD_OP" and ratio < 1:
+        return " (SHARD_GRAD_OP keeps every block gathered from its forward to its backward)"
+    if key == "sent_per_step" and name == "HYBRID_SHARD" and ratio > 1:
+        return (" (HYBRID_SHARD gathers and reduce-scatters within its group of 2, then all-reduces its shard "
+                "across the groups)")
+    if key == "sent_per_step" and name in ("SHARD_GRAD_OP", "one unit") and near(1.5):
+        return " (how often is each unit gathered in a step when its parameters stay from forward to backward?)"
+    if key == "sent_per_step" and (near(4 / 3) or near(8 / 3)):
+        return " (in a ring, a rank sends (N-1)/N of the data per phase, not all of it)"
+    return ""
 
 
 def _ledger(model, api: str = "fsdp1") -> dict:
@@ -153,20 +259,32 @@ def _behaves(name: str, held: Memory, comm: Comm, model) -> tuple[bool, str]:
     return True, fine
 
 
-def _judge_order(key: str, guess, sources) -> tuple[bool | None, str]:
-    """``guess`` (least first) against every source of values: a pair in the wrong order fails
-    only where each source puts it the other way by more than ``TIE``."""
-    if guess is ... or guess is None:
-        return None, "no prediction yet"
-    if not isinstance(guess, (list, tuple)) or sorted(guess) != sorted(CONFIGS):
-        return False, f"an ordering of the four names {list(CONFIGS)}, least first, not {guess!r}"
-    if sources is None:
-        return None, "judged once every configuration runs"
-    for i, a in enumerate(guess):
-        for b in guess[i + 1:]:
-            if all(values[a] > values[b] * (1 + TIE) for values in sources):
-                return False, f"{a} is not below {b}: {a} {REASONS[key][a]}, and {b} {REASONS[key][b]}"
-    return True, "holds"
+def _judge_order(key: str, judged: dict, sources: list, problem: str, runs: dict,
+                 behaved: dict) -> tuple[bool | None, str]:
+    """The order the learner's figures give, pair by pair, among the configurations whose
+    figures were judged: a pair fails where every source separates it by more than ``TIE``
+    and the figures do not put it the same way round."""
+    if problem:
+        return None, "judged once there are figures"
+    left_out = [n for n in CONFIGS if n in runs and not behaved[n]]
+    names = [n for n in CONFIGS if n in judged and isinstance(judged[n][key], float)]
+    if len(names) < 2:
+        return None, ("judged once every configuration runs and has a figure" if not left_out else
+                      f"not judged: {setups.many(left_out)} is not what its name says")
+    for a in names:
+        for b in names:
+            if a == b:
+                continue
+            if all(values[a] * (1 + TIE) < values[b] for values in sources) and not judged[a][key] < judged[b][key]:
+                where = "on these ranks" if len(sources) == 1 else "on these ranks and in the ledger"
+                return False, (f"your figures put {a} at or above {b}; {where} it is below: "
+                               f"{a} {REASONS[key][a]}, and {b} {REASONS[key][b]}")
+    order = sorted(names, key=lambda n: judged[n][key])
+    said = order[0]
+    for before, name in zip(order, order[1:]):
+        said += (" ≈ " if judged[name][key] <= judged[before][key] * (1 + TIE) else " < ") + name
+    rest = f" ({setups.many(left_out)} left out: not what its name says)" if left_out else ""
+    return True, f"your figures give {said}, and that holds{rest}"
 
 
 def _machine(runs: dict, books: dict) -> str:

@@ -1,7 +1,8 @@
 """What exercises B and C share: a learner's wrapping trained on the ranks by the course's one
 training loop (``dpc.train.train`` with ``wrap=``) under the course's observers, the same
 training in one process, and a prediction judged without printing the value it is judged
-against.
+against; the learner's formulas called safely, and refused when they use the course's own
+calculators (``calculator_in``).
 
 The learner writes ``wrap(model) -> model`` functions (DDP, FSDP1 or FSDP2 lines); the runner
 calls them on every rank on a fresh MLP that already sits on the rank's device. Nothing of
@@ -20,10 +21,10 @@ def config(sizes: dict, world_size: int, steps: int = STEPS) -> TrainConfig:
                        lr=LR, num_samples=BATCH * steps * world_size, progress=False)
 
 
-def train_wrapped(wrap, sizes: dict, steps: int = STEPS):
+def train_wrapped(wrap, sizes: dict, steps: int = STEPS, weights: bool = True):
     """On each rank: the runner's training of the MLP, wrapped by the learner's ``wrap``.
-    Returns the full weights (on rank 0; None elsewhere) and the API the wrapping used:
-    "fsdp2", "fsdp1" or "other"."""
+    Returns the full weights (on rank 0, None elsewhere; not gathered at all when
+    ``weights`` is False) and the API the wrapping used: "fsdp2", "fsdp1" or "other"."""
     import torch.distributed as dist
 
     def checked(model):
@@ -33,11 +34,11 @@ def train_wrapped(wrap, sizes: dict, steps: int = STEPS):
                             "end it with `return model` (or the wrapper it built)")
         return wrapped
 
-    metrics = train(config(sizes, dist.get_world_size(), steps), full_state=True, wrap=checked)
+    metrics = train(config(sizes, dist.get_world_size(), steps), full_state=weights, wrap=checked)
     applied = metrics["applied"]
     api = ("fsdp1" if applied.startswith("FullyShardedDataParallel") else
            "fsdp2" if applied.startswith("FSDP") else "other")
-    return {"weights": metrics["state"], "api": api}
+    return {"weights": metrics.get("state"), "api": api}
 
 
 def one_process(sizes: dict, world_size: int, steps: int = STEPS) -> dict:
@@ -79,3 +80,199 @@ def miss(predicted, measured: float, tolerance: float) -> tuple[bool | None, str
     else:
         size = f"by a factor of about {round(factor)}"
     return False, f"{way} {size}"
+
+
+class AtRest:
+    """Observer: what each rank holds right after every ``optimizer.step()``, by the memory
+    ledger's categories, and when each step ended.
+
+    The same walk as ``dpc.observe.Memory``'s at-rest bytes (``observe.held.held_bytes``:
+    unique storages by role, DTensor shards and FSDP1's flat shards included), without
+    Memory's change-by-change recorder, which costs seconds per run: the checkers only need
+    the bytes between steps. Step ends come from the same ``optimizer.step()`` hook.
+
+        held = AtRest(); cluster.run(train_wrapped, wrap, sizes, observe=[held])
+        held.at_rest(rank=0)   # {"parameters": ..., "gradients": ..., "optimizer_state": ..., ...}
+        held.steps_per_second(rank=0)   # from the fastest step after the first
+    """
+
+    def __init__(self):
+        self.per_rank: list[dict] | None = None
+
+    def __enter__(self):
+        from ..observe.watch import LoopWatch
+
+        self._held, self._ends = None, []
+        self._watch = LoopWatch(on_step_end=self._on_step_end)
+        self._watch.__enter__()
+        return self
+
+    def _on_step_end(self, watch) -> None:
+        import time
+
+        from ..observe.held import held_bytes
+
+        self._ends.append(time.perf_counter())
+        self._held = held_bytes(watch.root, watch.optimizer)
+
+    def __exit__(self, *exc):
+        self._watch.__exit__(*exc)
+        self._watch = None  # the model and optimizer it saw are the run's, not the observer's
+
+    def result(self) -> dict:
+        return {"held": self._held, "ends": self._ends}
+
+    def collect(self, per_rank: list) -> None:
+        self.per_rank = per_rank
+
+    def at_rest(self, rank: int = 0) -> dict:
+        held = self.per_rank[rank]["held"]
+        if held is None:
+            raise RuntimeError(f"rank {rank} ran no optimizer step")
+        return dict(held)
+
+    def steps_per_second(self, rank: int = 0) -> float | None:
+        """One over the fastest step after the first (the first builds Adam's state; other
+        work on the machine only ever adds time); None with fewer than three steps."""
+        ends = self.per_rank[rank]["ends"]
+        steps = [b - a for a, b in zip(ends, ends[1:])]
+        return 1 / min(steps) if steps and min(steps) > 0 else None
+
+
+# --- the learner's formulas ----------------------------------------------------------------------
+
+# What a formula may not call: the course's own calculators, which return every number asked.
+CALCULATOR_MODULES = ("dpcourse.memory", "dpcourse.collectives", "dpcourse.exercises")
+CALCULATOR_NAMES = {"ledger", "step_bytes", "recommend", "fit_table", "MemoryCalculator", "solution"}
+
+
+def _public_name(obj) -> str:
+    """How a notebook spells a course object: dpc.memory.ledger, not dpcourse.memory.ledger.ledger."""
+    import types
+
+    if isinstance(obj, types.ModuleType):
+        name = obj.__name__
+    else:
+        module = getattr(obj, "__module__", "") or ""
+        room = ".".join(module.split(".")[:2])
+        name = f"{room}.{getattr(obj, '__qualname__', getattr(obj, '__name__', type(obj).__name__))}"
+    return name.replace("dpcourse", "dpc", 1)
+
+
+def _calculator(obj, attributes: set, depth: int = 0) -> str | None:
+    """The course calculator ``obj`` is or leads to through ``attributes`` (a module's
+    attribute names the code reads), as a notebook spells it; None when it is none."""
+    import types
+
+    if isinstance(obj, types.ModuleType):
+        name = obj.__name__
+        if name != "dpcourse" and not name.startswith("dpcourse."):
+            return None
+        hit = name.startswith(CALCULATOR_MODULES)
+        if depth < 3:
+            for attribute in sorted(attributes):
+                child = getattr(obj, attribute, None)
+                if child is not None and child is not obj:
+                    found = _calculator(child, attributes, depth + 1)
+                    if found:
+                        return found
+        return _public_name(obj) if hit else None
+    module = getattr(obj, "__module__", None) or getattr(type(obj), "__module__", "") or ""
+    if not isinstance(module, str) or not module.startswith("dpcourse"):
+        return None
+    if module.startswith(CALCULATOR_MODULES) or getattr(obj, "__name__", None) in CALCULATOR_NAMES:
+        if not callable(obj):  # a Ledger or another result of a calculator
+            return f"a result of {_public_name(type(obj))}"
+        return _public_name(obj)
+    return None
+
+
+def _code_names(code) -> set:
+    import types
+
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _code_names(const)
+    return names
+
+
+def calculator_in(fn, _seen: set | None = None) -> str | None:
+    """The course calculator a learner's formula uses -- ``dpc.memory.ledger``,
+    ``dpc.collectives.step_bytes``, anything of ``dpcourse.memory``/``dpcourse.collectives``,
+    ``recommend`` -- named as a notebook spells it, or None.
+
+    Read from the function, never by running it: the names its code reads (``co_names``, of
+    nested functions and comprehensions too) looked up in its globals and builtins, what its
+    closure and defaults hold, and, the same way, the functions of the learner's own it calls.
+    """
+    import builtins
+    import functools
+    import inspect
+
+    seen = set() if _seen is None else _seen
+    if id(fn) in seen:
+        return None
+    seen.add(id(fn))
+    if isinstance(fn, functools.partial):
+        return calculator_in(fn.func, seen) or next(
+            (found for a in (*fn.args, *fn.keywords.values()) if (found := _calculator(a, set()))), None)
+    if inspect.ismethod(fn):
+        fn = fn.__func__
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return _calculator(fn, set())
+    names = _code_names(code)
+    space = getattr(fn, "__globals__", {})
+    held = [space[n] if n in space else getattr(builtins, n, None) for n in sorted(names)]
+    held += [cell.cell_contents for cell in (fn.__closure__ or ()) if _filled(cell)]
+    held += list(fn.__defaults__ or ()) + list((fn.__kwdefaults__ or {}).values())
+    for obj in held:
+        if obj is None:
+            continue
+        found = _calculator(obj, names)
+        if found:
+            return found
+        if inspect.isfunction(obj) and not (obj.__module__ or "").startswith(("dpcourse", "torch")):
+            found = calculator_in(obj, seen)  # a helper of the learner's: read it too
+            if found:
+                return found
+    return None
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:  # a closure variable not assigned yet
+        return False
+    return True
+
+
+def call_formula(fn, *args) -> tuple[object, str]:
+    """``fn(*args)``: (its value, "") or (None, what it raised, in one line)."""
+    try:
+        return fn(*args), ""
+    except Exception as err:  # noqa: BLE001 -- the learner's code: any error is a verdict
+        text = str(err).splitlines()[0] if str(err) else ""
+        return None, f"{type(err).__name__}" + (f": {text}" if text else "")
+
+
+def as_bytes(value):
+    """A formula's value as a float (numpy and torch scalars too); ``...``, None and other
+    things as they are, for ``miss`` to say what they are."""
+    import numbers
+
+    if value is ... or value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, numbers.Real):
+        return float(value)
+    item = getattr(value, "item", None)
+    if callable(item) and getattr(value, "ndim", None) == 0:
+        return as_bytes(item())
+    return value
+
+
+def many(names) -> str:
+    """"a", "a and b", "a, b and c"."""
+    names = [str(n) for n in names]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]

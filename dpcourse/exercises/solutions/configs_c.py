@@ -1,5 +1,5 @@
 """Exercise C, reference solution: four FSDP configurations in FSDP2 (and, for comparison,
-FSDP1 in the comments), and the three orderings predicted before anything runs."""
+FSDP1 in the comments), and the figures, written before anything runs, that order them."""
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
@@ -30,12 +30,25 @@ def one_unit(model):         # FSDP1: FULL_SHARD without an auto_wrap_policy
 
 configs = {"FULL_SHARD": full_shard, "SHARD_GRAD_OP": shard_grad_op, "HYBRID_SHARD": hybrid_shard,
            "one unit": one_unit}
-predicted = {
-    # between steps: everything sharded over 4 ranks, except HYBRID's shards over 2
-    "at_rest": ["FULL_SHARD", "SHARD_GRAD_OP", "one unit", "HYBRID_SHARD"],
-    # one block gathered at a time < every block kept gathered < shards twice as large (with one
-    # block gathered) < the whole model and all its gradients at once
-    "peak": ["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "one unit"],
-    # each unit gathered once (the root stays gathered) < pairs plus an all-reduce < gathered twice
-    "sent_per_step": ["SHARD_GRAD_OP", "one unit", "HYBRID_SHARD", "FULL_SHARD"],
-}
+
+
+def predict(units, world_size, config):
+    """Rank 0's bytes: held between steps, at the fullest moment of a step, sent per step."""
+    P, block, root = sum(units), max(units[:-1]), units[-1]
+    shard = 2 if config == "HYBRID_SHARD" else world_size  # the ranks one copy is sharded over
+    at_rest = 16 * P / shard  # float32 parameters and gradients, Adam's two moments: 16 bytes each
+    if config == "one unit":        # the whole model gathered, then all its gradients before the scatter
+        gathered = 4 * P + 4 * P
+    elif config == "SHARD_GRAD_OP":  # every block kept gathered from forward to backward
+        gathered = 4 * P + 4 * block
+    else:                            # one block at a time (and the root, which stays gathered)
+        gathered = 4 * (block + root) + 4 * block
+    ring = (shard - 1) / shard       # a ring phase over the shard group
+    if config in ("SHARD_GRAD_OP", "one unit"):
+        sent = ring * 2 * 4 * P      # one gather, one reduce-scatter (the root unit is not gathered again)
+    else:
+        sent = ring * (3 * 4 * P - 4 * root)  # gather for forward, again for backward but the root; scatter
+    if config == "HYBRID_SHARD":     # then each shard all-reduced across the world_size // shard groups
+        groups = world_size // shard
+        sent += 2 * (groups - 1) / groups * 4 * P / shard
+    return {"at_rest": at_rest, "peak": at_rest + gathered, "sent_per_step": sent}

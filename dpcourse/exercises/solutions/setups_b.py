@@ -1,9 +1,8 @@
-"""Exercise B, reference solution: the two set-ups, and predictions derived from the ledger's
-formulas before anything runs (P parameters, N = 2 ranks, float32, Adam)."""
+"""Exercise B, reference solution: the two set-ups, and the formulas of the memory ledger and
+of the per-step traffic, written before anything runs (float32, Adam, a bandwidth-optimal
+ring)."""
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
-
-import dpcourse as dpc
 
 
 def wrap_ddp(model):
@@ -16,12 +15,23 @@ def wrap_fsdp(model):
     return fully_shard(model)   # ... then the root
 
 
-P = sum(p.numel() for p in dpc.models.build_model("mlp", d_hidden=128, depth=4).parameters())
-N, psi = 2, 4 * P  # psi: bytes of the float32 gradients
-predicted = {
-    "ddp": {"parameters": 4 * P, "gradients": 4 * P, "optimizer_state": 8 * P,  # Adam: two moments
-            "sent_per_step": 2 * (N - 1) / N * psi},                         # one all-reduce
-    "fsdp": {"parameters": 4 * P / N, "gradients": 4 * P / N, "optimizer_state": 8 * P / N,
-             "sent_per_step": 3 * (N - 1) / N * psi},  # gather, gather again, reduce-scatter
-}
-faster = "ddp"  # on CPU processes: one or two all-reduces against a gather per unit, twice, and a scatter
+def held(units, world_size, setup):
+    """Bytes one rank holds right after optimizer.step()."""
+    P = sum(units)                                   # parameters of the whole model
+    share = P / world_size if setup == "fsdp" else P  # FULL_SHARD keeps 1/N of everything
+    return {"parameters": 4 * share,                 # float32
+            "gradients": 4 * share,                  # one float32 gradient per parameter
+            "optimizer_state": 8 * share}            # Adam: two moments per parameter
+
+
+def sent_per_step(units, world_size, setup):
+    """Bytes one rank sends in one training step."""
+    psi, N = 4 * sum(units), world_size  # psi: bytes of all parameters (and of all gradients)
+    ring = (N - 1) / N                   # a ring phase: each rank sends all but its own 1/N
+    if setup == "ddp":
+        return 2 * ring * psi            # one all-reduce: a reduce-scatter, then an all-gather
+    root = 4 * units[-1]                 # the root unit stays gathered from forward to backward
+    return ring * (psi + (psi - root) + psi)  # gather for forward, again for backward, reduce-scatter
+
+
+predicted = {"held": held, "sent_per_step": sent_per_step}
