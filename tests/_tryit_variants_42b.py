@@ -3,23 +3,29 @@
 VARIANTS = {
     "fully_shard": {
         "mistakes": [
-            ("only the root is sharded", [("    for block in model.blocks:\n"
-                                           "        fully_shard(block, mesh=mesh, reshard_after_forward=False)\n", "")],
-             "single collective"),
-            ("the blocks reshard after forward, the default", [(", reshard_after_forward=False", "")],
-             "gathered parameters again"),
+            ("only the root is sharded", [("    for i, block in enumerate(model.blocks):\n"
+                                           "        fully_shard(block, mesh=mesh, reshard_after_forward=i < len(model.blocks) - 1)\n",
+                                           "")], "single collective"),
+            ("the chapter's shard_blocks(m, reshard_after_forward=False): every block kept gathered",
+             [("reshard_after_forward=i < len(model.blocks) - 1", "reshard_after_forward=False")],
+             "Whose backward follows its forward at once"),
+            ("every block reshards after forward, the default", [(", reshard_after_forward=i < len(model.blocks) - 1", "")],
+             "gathered them again at once"),
+            ("the first block kept instead of the last", [("i < len(model.blocks) - 1", "i > 0")], "block 0"),
             ("the root is left out", [("    return fully_shard(model, mesh=mesh)", "    return model")],
              "stayed plain tensors"),
         ],
         "correct": [
-            ("the default mesh, blocks by index, the root kept gathered too, nothing returned", [
+            ("the default mesh, the last block apart, nothing returned", [
                 ("    mesh = init_device_mesh(device_type, (dist.get_world_size(),))\n"
-                 "    for block in model.blocks:\n"
-                 "        fully_shard(block, mesh=mesh, reshard_after_forward=False)\n"
+                 "    for i, block in enumerate(model.blocks):\n"
+                 "        fully_shard(block, mesh=mesh, reshard_after_forward=i < len(model.blocks) - 1)\n"
                  "    return fully_shard(model, mesh=mesh)",
-                 "    for i in range(len(model.blocks)):\n"
-                 "        fully_shard(model.blocks[i], reshard_after_forward=False)\n"
-                 "    fully_shard(model, reshard_after_forward=False)")]),
+                 "    *rest, last = model.blocks\n"
+                 "    for block in rest:\n"
+                 "        fully_shard(block)\n"
+                 "    fully_shard(last, reshard_after_forward=False)\n"
+                 "    fully_shard(model)")]),
             ("a named mesh", [("(dist.get_world_size(),))", "[dist.get_world_size()], mesh_dim_names=(\"dp\",))")]),
         ],
     },
@@ -38,6 +44,11 @@ VARIANTS = {
              "reduced in bfloat16"),
         ],
         "correct": [
+            ("a lambda policy naming blocks 1-3: the same units", [
+                ("from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy",
+                 "from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy"),
+                ("functools.partial(size_based_auto_wrap_policy, min_num_params=3000)",
+                 "functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: any(m is b for b in model.blocks[1:]))")]),
             ("the largest threshold, keywords in another order", [
                 ("min_num_params=3000", "min_num_params=4160"),
                 ("MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)",

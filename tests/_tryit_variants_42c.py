@@ -1,5 +1,12 @@
 """4.2c's try-its: answers written apart from the references (see _tryit_variants.py)."""
 
+DCP_SAVE = ('        dcp.save({"model": model_state, "optim": optim_state, "schedule": scheduler.state_dict()},\n'
+            "                 checkpoint_id=folder)")   # dcp's reference save
+OPTIMIZER_FIRST = [   # offload_clip: the optimizer made from the parameters fully_shard then replaces
+    ("    policy = CPUOffloadPolicy(pin_memory=False)\n",
+     "    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n    policy = CPUOffloadPolicy(pin_memory=False)\n"),
+    ("    fully_shard(model, offload_policy=policy)\n    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n",
+     "    fully_shard(model, offload_policy=policy)\n")]
 LOOP = ("    for i, block in enumerate(blocks):\n"
         "        block.set_modules_to_forward_prefetch(blocks[i + 1:i + 3])")   # prefetch's reference loop
 
@@ -16,6 +23,8 @@ VARIANTS = {
                  "        fully_shard(block, mesh=mesh)\n    fully_shard(model, mesh=mesh)\n")],
              "before they were split"),
             ("the root not sharded", [("    fully_shard(model, mesh=mesh)\n", "")], "plain tensors"),
+            ("only the root sharded", [("    for block in model.blocks:\n        fully_shard(block, mesh=mesh)\n", "")],
+             "Which modules were to be units of their own"),
             ("init before to_empty", [("    model.to_empty(device=device)\n    init(model)\n",
                                        "    init(model)\n    model.to_empty(device=device)\n")], "What fills it"),
         ],
@@ -37,6 +46,8 @@ VARIANTS = {
              "other modules than the chosen blocks"),
             ("indices compared with modules", [("any(m is w for w in wanted)", "m in chosen")],
              "nothing was checkpointed"),
+            ("the Linear layers inside the chosen blocks", [("any(m is w for w in wanted)", "any(m is w.linear for w in wanted)")],
+             "the wrong modules were checkpointed"),
             ("the root wrapped", [
                 ("    wanted = [model.blocks[i] for i in chosen]\n"
                  "    apply_activation_checkpointing(model, check_fn=lambda m: any(m is w for w in wanted))\n"
@@ -70,6 +81,7 @@ VARIANTS = {
             ("no offload policy", [(", offload_policy=policy", "")], "CPU memory"),
             ("the root not offloaded", [("fully_shard(model, offload_policy=policy)", "fully_shard(model)")],
              "1 of 5 FSDP units"),
+            ("the optimizer created before fully_shard", OPTIMIZER_FIRST, "did not change at all"),
         ],
         "correct": [
             ("the norm read on the rank, zero_grad after the step", [
@@ -83,6 +95,15 @@ VARIANTS = {
             ("the blocks before", [("blocks[i + 1:i + 3]", "blocks[max(0, i - 2):i]")], "a second time"),
             ("on the root only", [(LOOP, "    model.set_modules_to_forward_prefetch(blocks[:2])")],
              "where the forward begins"),
+            ("the chapter's loop: the blocks only, nothing issued by the root",
+             [("    model.set_modules_to_forward_prefetch(blocks[:2])\n", "")],
+             "who can issue the first blocks' gathers"),
+            ("the root prefetches one block", [("model.set_modules_to_forward_prefetch(blocks[:2])",
+                                                "model.set_modules_to_forward_prefetch(blocks[:1])")],
+             "the root's prefetch list"),
+            ("the backward prefetch set instead of the forward one",
+             [("set_modules_to_forward_prefetch", "set_modules_to_backward_prefetch")],
+             "Forward and backward each have a prefetch list"),
         ],
         "correct": [
             ("the next two picked by index, backward prefetch set too", [
@@ -90,26 +111,41 @@ VARIANTS = {
                        "        later = [b for j, b in enumerate(blocks) if i < j <= i + 2]\n"
                        "        block.set_modules_to_forward_prefetch(later)\n"
                        "        block.set_modules_to_backward_prefetch(blocks[i - 1:i] if i else [])")]),
+            ("the root's list written out", [("model.set_modules_to_forward_prefetch(blocks[:2])",
+                                              "model.set_modules_to_forward_prefetch([model.blocks[0], model.blocks[1]])")]),
         ],
     },
     "dcp": {
         "mistakes": [
-            ("only the model is saved", [
-                ('dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=folder)',
-                 'dcp.save({"model": model_state}, checkpoint_id=folder)'),
-                ('state = {"model": model_state, "optim": optim_state}', 'state = {"model": model_state}'),
+            ("the chapter's lines: model and optimizer only", [
+                (DCP_SAVE, '        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=folder)'),
+                ('state = {"model": model_state, "optim": optim_state, "schedule": scheduler.state_dict()}',
+                 'state = {"model": model_state, "optim": optim_state}'),
+                ('        scheduler.load_state_dict(state["schedule"])\n', "")], "the warm-up starts over"),
+            ("the schedule saved, never put back", [('        scheduler.load_state_dict(state["schedule"])\n', "")],
+             "the warm-up starts over"),
+            ("only the model and the schedule are saved", [
+                (DCP_SAVE, '        dcp.save({"model": model_state, "schedule": scheduler.state_dict()}, checkpoint_id=folder)'),
+                ('state = {"model": model_state, "optim": optim_state, "schedule": scheduler.state_dict()}',
+                 'state = {"model": model_state, "schedule": scheduler.state_dict()}'),
                 ('optim_state_dict=state["optim"]', "optim_state_dict=optim_state")], "step count"),
-            ("loaded, never put into the model and optimizer", [
+            ("loaded, never put into the model, optimizer and scheduler", [
+                ('        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])\n'
+                 '        scheduler.load_state_dict(state["schedule"])\n', "")], "weights are not the ones saved"),
+            ("the optimizer's own state_dict saved and loaded", [
+                ('{"model": model_state, "optim": optim_state, "schedule"', '{"model": model_state, "optim": optimizer.state_dict(), "schedule"'),
                 ('        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])\n',
-                 "")], "weights are not the ones saved"),
+                 '        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=optim_state)\n'
+                 '        optimizer.load_state_dict(state["optim"])\n')],
+             "which state dicts name them by the model's parameter names"),
             ("model.state_dict() with torch.save on each rank", [
-                ('        model_state, optim_state = get_state_dict(model, optimizer)\n'
-                 '        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=folder)',
+                ('        model_state, optim_state = get_state_dict(model, optimizer)\n' + DCP_SAVE,
                  '        torch.save(model.state_dict(), f"{folder}/model-{dist.get_rank()}.pt")'),
                 ('        model_state, optim_state = get_state_dict(model, optimizer)\n'
-                 '        state = {"model": model_state, "optim": optim_state}\n'
+                 '        state = {"model": model_state, "optim": optim_state, "schedule": scheduler.state_dict()}\n'
                  '        dcp.load(state, checkpoint_id=folder)\n'
-                 '        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])',
+                 '        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])\n'
+                 '        scheduler.load_state_dict(state["schedule"])',
                  '        model.load_state_dict(torch.load(f"{folder}/model-{dist.get_rank()}.pt", weights_only=False))')],
              "Error(s) in loading state_dict"),
         ],
@@ -118,39 +154,48 @@ VARIANTS = {
                 ("from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict",
                  "from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,\n"
                  "                                                     set_model_state_dict, set_optimizer_state_dict)"),
+                ('        model_state, optim_state = get_state_dict(model, optimizer)\n' + DCP_SAVE,
+                 '        dcp.save({"m": get_model_state_dict(model), "o": get_optimizer_state_dict(model, optimizer),\n'
+                 '                  "s": scheduler.state_dict()}, checkpoint_id=folder)'),
                 ('        model_state, optim_state = get_state_dict(model, optimizer)\n'
-                 '        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=folder)',
-                 '        dcp.save({"m": get_model_state_dict(model), "o": get_optimizer_state_dict(model, optimizer)},\n'
-                 '                 checkpoint_id=folder)'),
-                ('        model_state, optim_state = get_state_dict(model, optimizer)\n'
-                 '        state = {"model": model_state, "optim": optim_state}\n'
+                 '        state = {"model": model_state, "optim": optim_state, "schedule": scheduler.state_dict()}\n'
                  '        dcp.load(state, checkpoint_id=folder)\n'
-                 '        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])',
-                 '        state = {"m": get_model_state_dict(model), "o": get_optimizer_state_dict(model, optimizer)}\n'
+                 '        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])\n'
+                 '        scheduler.load_state_dict(state["schedule"])',
+                 '        state = {"m": get_model_state_dict(model), "o": get_optimizer_state_dict(model, optimizer),\n'
+                 '                 "s": scheduler.state_dict()}\n'
                  '        dcp.load(state, checkpoint_id=folder)\n'
+                 '        scheduler.load_state_dict(state["s"])\n'
                  '        set_model_state_dict(model, state["m"])\n'
                  '        set_optimizer_state_dict(model, optimizer, state["o"])')]),
         ],
     },
     "gradient_sync": {
         "mistakes": [
+            ("the chapter's loop: each micro-batch's loss divided by their count",
+             [("share = len(x) / sum(len(b) for b, _ in micro_batches)", "share = 1 / len(micro_batches)")],
+             "each micro-batch counting alike"),
             ("every micro-batch synchronises", [("        model.set_requires_gradient_sync(i == len(micro_batches) - 1)\n", "")],
-             "3 times for 3 micro-batches"),
-            ("the loss is not divided", [(" / len(micro_batches)", "")], "3 times the right size"),
+             "reduce-scattered 3 times"),
+            ("the switch on the root only", [("model.set_requires_gradient_sync(i == len(micro_batches) - 1)",
+                                              "model.set_requires_gradient_sync(i == len(micro_batches) - 1, recurse=False)")],
+             "the root alone, or every unit below it"),
+            ("the loss is not weighted", [(" * share)", ")")], "times the right size"),
             ("synchronisation switched off, never back on", [("i == len(micro_batches) - 1", "False")],
              "no reduce-scatter ran"),
         ],
         "correct": [
-            ("off before the loop, on before the last backward", [
+            ("off before the loop, summed losses over the samples of the step", [
                 ("    for i, (x, y) in enumerate(micro_batches):\n"
                  "        model.set_requires_gradient_sync(i == len(micro_batches) - 1)\n"
-                 "        (F.mse_loss(model(x), y) / len(micro_batches)).backward()",
+                 "        share = len(x) / sum(len(b) for b, _ in micro_batches)\n"
+                 "        (F.mse_loss(model(x), y) * share).backward()",
+                 "    total = sum(len(b) for b, _ in micro_batches)\n"
                  "    model.set_requires_gradient_sync(False)\n"
                  "    for i, (x, y) in enumerate(micro_batches):\n"
                  "        if i + 1 == len(micro_batches):\n"
                  "            model.set_requires_gradient_sync(True)\n"
-                 "        loss = F.mse_loss(model(x), y)\n"
-                 "        (loss * (1 / len(micro_batches))).backward()")]),
+                 "        F.mse_loss(model(x), y, reduction=\"sum\").div(total * y.shape[1]).backward()")]),
         ],
     },
 }

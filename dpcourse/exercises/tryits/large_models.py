@@ -10,6 +10,7 @@ from outside: bytes of storage allocated (``MemTracker``), bytes saved for backw
 from __future__ import annotations
 
 import math
+import re
 import shutil
 import tempfile
 
@@ -142,7 +143,13 @@ def _meta_init_on_rank(build_sharded):
         got = {n: p.detach().cpu() for n, p in params.items() if not isinstance(p, DTensor)}
         if len(got) < len(params):
             got = None                                       # gathering some only could hang
+    from torch.distributed.fsdp import FSDPModule
+
+    names = {id(m): n for n, m in model.named_modules()}
+    units = sorted(names[id(m)] or "the root" for m in model.modules() if isinstance(m, FSDPModule))
+    blocks = len(getattr(model, "blocks", []))
     return {"meta": meta, "elsewhere": elsewhere, "whole_here": whole_here, "count": len(params),
+            "units": units, "blocks": blocks,
             "got": got, "want": {n: p.detach() for n, p in want.items()}, "whole": whole,
             "peak": _storage_peak(tracker, device), "built_with_storage": any(d != "meta" for d, _ in created),
             "device": device.type}
@@ -174,6 +181,11 @@ def check_meta_init(build_sharded, cluster) -> Report:
         report.add(sharded, False, f"{n} of {r['count']} parameters (e.g. {r['whole_here'][0]}) are plain "
                                    "tensors, whole on every rank: were every block and the root (which "
                                    "holds the embeddings and the head) sharded?")
+    elif len(r["units"]) < r["blocks"] + 1:
+        report.add(sharded, False, f"every parameter is a shard, but the model has {len(r['units'])} FSDP "
+                                   f"unit(s) ({', '.join(r['units']) or 'none'}) for {r['blocks']} blocks and "
+                                   "the root: forward gathers each unit whole, so a rank would hold the whole "
+                                   "model at once. Which modules were to be units of their own, before the root?")
     else:
         report.add(sharded, True)
     if r["got"] is None:
@@ -249,7 +261,8 @@ def _checkpointing_on_rank(checkpoint_some):
     every = _saved_bytes(every, x[mine], y[mine])
 
     model = models.build_model("mlp", depth=DEPTH).to(device)
-    modules = {"root": model, **{i: block for i, block in enumerate(model.blocks)}}
+    modules = {"root": model, **{i: block for i, block in enumerate(model.blocks)},
+               **{n: m for n, m in model.named_modules() if n.startswith("blocks.") and n.count(".") > 1}}
     calls = {k: 0 for k in modules}
     hooks = [m.register_forward_pre_hook(lambda *_, k=k: calls.__setitem__(k, calls[k] + 1))
              for k, m in modules.items()]
@@ -284,6 +297,11 @@ def check_checkpointing(checkpoint_some, cluster) -> Report:
                                  "were recomputed. Which modules should be wrapped?")
     elif again == CHOSEN and all(calls[i] == 2 for i in CHOSEN):
         report.add(which, True)
+    elif not again and any(calls[k] > 1 for k in calls if isinstance(k, str) and k != "root"):
+        inner = sorted(k for k in calls if isinstance(k, str) and k != "root" and calls[k] > 1)
+        report.add(which, False, f"no block ran its forward again in backward, but modules inside them did "
+                                 f"({', '.join(inner)}): the wrong modules were checkpointed, smaller ones "
+                                 "than the blocks. Which modules did the selection accept?")
     elif not again:
         report.add(which, False, "no block ran its forward again in backward: nothing was checkpointed. "
                                  "Did the selection accept any module? A check_fn is called with modules, "
@@ -375,7 +393,8 @@ def _offload_clip_on_rank(clipped_step):
                    for g in one["grads"].values())
     return {"norm": norm, "one_norm": one["norm"], "local_norm": local_sq ** 0.5, "units": len(units),
             "offloaded": offloaded, "local_devices": sorted(local_devices), "weights": weights,
-            "clipped": one["clipped"], "unclipped": one["unclipped"]}
+            "clipped": one["clipped"], "unclipped": one["unclipped"],
+            "initial": {n: p.detach().clone() for n, p in models.build_model("mlp").named_parameters()}}
 
 
 @try_it("offload_clip", "4.2c", f"FSDP2 with CPU offload, gradients clipped to {MAX_NORM}")
@@ -409,6 +428,10 @@ def check_offload_clip(clipped_step, cluster) -> Report:
         report.add(step, None, "judged once every parameter is sharded")
     elif _same(r["weights"], r["clipped"]):
         report.add(step, True)
+    elif _same(r["weights"], r["initial"]):
+        report.add(step, False, "the weights did not change at all: the step moved nothing. fully_shard "
+                                "replaces each parameter with a DTensor: which parameters does the "
+                                "optimizer hold, and when was it created?")
     elif _same(r["weights"], r["unclipped"]):
         report.add(step, False, "the weights are those of a step with unclipped gradients: the gradients "
                                 "were scaled too late, or not at all. When does the optimizer read them?")
@@ -435,14 +458,17 @@ AHEAD, WIDTHS = 2, (32, 40, 48, 56, 64, 72)   # blocks prefetched ahead; widths 
 
 
 class Widening(nn.Module):
-    """An MLP whose blocks all differ in size, so each all-gather's bytes tell its block."""
+    """An MLP whose blocks all differ in size, so each all-gather's bytes tell its block; the root
+    holds an input layer (computed before block 0) and the head."""
 
     def __init__(self):
         super().__init__()
+        self.inp = nn.Linear(WIDTHS[0], WIDTHS[0])
         self.blocks = nn.ModuleList(models.MLPBlock(a, b) for a, b in zip(WIDTHS, WIDTHS[1:]))
         self.head = nn.Linear(WIDTHS[-1], 8)
 
     def forward(self, x):
+        x = self.inp(x)
         for block in self.blocks:
             x = block(x)
         return self.head(x)
@@ -456,7 +482,8 @@ def _widening() -> Widening:
 
 def _forward_order(set_prefetch=None):
     """Two SGD steps of the sharded Widening model; the last forward's order of events on this
-    rank: ("gather", bytes) and ("compute", block index), and the weights after the steps."""
+    rank: ("gather", bytes) and ("compute", block index; -1 the root's input layer), and the
+    weights after the steps."""
     from ...observe import Timeline
 
     device, rank = rank_device(), dist.get_rank()
@@ -480,6 +507,8 @@ def _forward_order(set_prefetch=None):
             order.append(("gather", e["nbytes"]))
         elif e["kind"] == "forward" and e["name"].startswith("blocks."):
             order.append(("compute", int(e["name"].split(".")[1])))
+        elif e["kind"] == "forward" and e["name"] == "inp":
+            order.append(("compute", -1))
     return order, {n: _full(p) for n, p in model.named_parameters()}
 
 
@@ -499,33 +528,47 @@ def _prefetch_on_rank(prefetch):
     return {"events": events, "weights": weights, "want": {n: p.detach().clone() for n, p in one.named_parameters()}}
 
 
-def _ahead(events, blocks: int) -> tuple[list[int], list]:
-    """For each block, how many later blocks were gathered before it began computing; and the
-    units gathered more than once in the forward."""
-    gathered, ahead, seen = set(), [], []
+def _ahead(events, blocks: int) -> tuple[list[int], list, list[int]]:
+    """For each block, how many later blocks were gathered before it began computing; the units
+    gathered more than once in the forward; the blocks gathered before the root's input layer."""
+    gathered, ahead, seen, first = set(), [], [], None
     for kind, v in events:
         if kind == "gather":
             if v in gathered:
                 seen.append(v)
             gathered.add(v)
+        elif v == -1 and first is None:
+            first = sorted(j for j in gathered if isinstance(j, int) and j >= 0)
         elif len(ahead) == v:
             ahead.append(sum(1 for j in gathered if isinstance(j, int) and j > v))
-    return ahead + [0] * (blocks - len(ahead)), seen
+    return ahead + [0] * (blocks - len(ahead)), seen, first or []
 
 
-@try_it("prefetch", "4.2c", f"each block's forward all-gather issued {AHEAD} blocks early")
+@try_it("prefetch", "4.2c", f"each block's forward all-gather issued {AHEAD} blocks early, the first by the root")
 def check_prefetch(prefetch, cluster) -> Report:
     report = Report("")
+    start = f"the first {AHEAD} blocks' gathers are issued before the root's input layer computes"
     early = f"each block finds the next {AHEAD} blocks' gathers issued when it starts"
     once = "each unit is gathered once per forward"
     same = "training is unchanged: the weights after two steps equal one process's"
     got = run_or_failure(cluster, _prefetch_on_rank, prefetch, timeout=TIMEOUT)
     if isinstance(got, RankFailure):
-        return _failed(report, got, [early, once, same])
+        return _failed(report, got, [start, early, once, same])
     report.add("runs on every rank", True)
     r = got[0]
     blocks = len(WIDTHS) - 1
-    ahead, again = _ahead(r["events"], blocks)
+    ahead, again, first = _ahead(r["events"], blocks)
+    if first == list(range(AHEAD)):
+        report.add(start, True)
+    elif not first:
+        report.add(start, False, "when the root's input layer began computing, no block's gather had been "
+                                 "issued: block 0 waits for its own gather after the input layer, with the "
+                                 "link idle meanwhile. The root is a unit too, and runs first: who can issue "
+                                 "the first blocks' gathers before any block runs?")
+    else:
+        report.add(start, False, f"when the root's input layer began computing, the gathers of "
+                                 f"{', '.join(f'block {j}' for j in first)} had been issued: which blocks does "
+                                 "the root's prefetch list name?")
     want = [min(AHEAD, blocks - 1 - i) for i in range(blocks)]
     seen = ", ".join(f"block {i}: {a}" for i, a in enumerate(ahead))
     if ahead == want:
@@ -533,6 +576,11 @@ def check_prefetch(prefetch, cluster) -> Report:
     elif max(ahead) < min(AHEAD, blocks - 1) and ahead[:-1] == [max(ahead)] * (blocks - 1) and max(ahead) > 0:
         report.add(early, False, f"later blocks already gathered as each block started: {seen}. Each block "
                                  "prefetches fewer blocks than asked: how many does its list name?")
+    elif not any(ahead):
+        report.add(early, False, f"later blocks already gathered as each block started: {seen}. The forward's "
+                                 "all-gathers ran one by one, each as its block began, as with no prefetching "
+                                 "at all. Forward and backward each have a prefetch list of their own: which "
+                                 "one did the function set?")
     elif ahead[0] > 0 and not any(ahead[1:]):
         report.add(early, False, f"later blocks already gathered as each block started: {seen}. Only the "
                                  "first block found anything prefetched: the prefetching was set up once, "
@@ -558,14 +606,21 @@ def check_prefetch(prefetch, cluster) -> Report:
 
 # -------------------------------------------------------------------------------------- dcp
 DCP_STEPS, DCP_BATCH, DCP_LR = 2, 8, 1e-2   # steps before the checkpoint, samples per rank
+DCP_AFTER, DCP_WARMUP = 2, 4                # steps after it; warm-up steps of the learning rate
 
 
-def _dcp_step(model, optimizer, step, x, y):
+def _warmup(step: int) -> float:
+    """The schedule: the learning rate rises linearly over DCP_WARMUP steps, then stays."""
+    return min(1.0, (step + 1) / DCP_WARMUP)
+
+
+def _dcp_step(model, optimizer, scheduler, step, x, y):
     rank, world = dist.get_rank(), dist.get_world_size()
     rows = slice((step * world + rank) * DCP_BATCH, (step * world + rank + 1) * DCP_BATCH)
     models.loss_fn("mlp", model(x[rows]), y[rows]).backward()
     optimizer.step()
     optimizer.zero_grad()
+    scheduler.step()
 
 
 def _full_state(model, optimizer) -> tuple[dict, dict]:
@@ -589,35 +644,42 @@ def _dcp_run(checkpoint, folder):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP, fully_shard
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from torch.optim.lr_scheduler import LambdaLR
 
     world = dist.get_world_size()
-    x, y = models.make_dataset("mlp", (DCP_STEPS + 1) * DCP_BATCH * world).tensors
-    # the saver: fully_shard (each parameter a DTensor sharded on dim 0), AdamW, 2 steps
+    x, y = models.make_dataset("mlp", (DCP_STEPS + DCP_AFTER) * DCP_BATCH * world).tensors
+    # the saver: fully_shard (each parameter a DTensor sharded on dim 0), AdamW with a warm-up, 2 steps
     mesh = init_device_mesh("cpu", (world,))
     saver = models.build_model("mlp", seed=0)
     for block in saver.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(saver, mesh=mesh)
     optimizer = torch.optim.AdamW(saver.parameters(), lr=DCP_LR)
+    scheduler = LambdaLR(optimizer, _warmup)
     for step in range(DCP_STEPS):
-        _dcp_step(saver, optimizer, step, x, y)
+        _dcp_step(saver, optimizer, scheduler, step, x, y)
     saved_weights, saved_state = _full_state(saver, optimizer)
-    checkpoint.save(saver, optimizer, folder)
+    saved_at = (scheduler.last_epoch, scheduler.get_last_lr()[0])
+    checkpoint.save(saver, optimizer, scheduler, folder)
     dist.barrier()
-    _dcp_step(saver, optimizer, DCP_STEPS, x, y)         # the uninterrupted run's next step
+    for step in range(DCP_STEPS, DCP_STEPS + DCP_AFTER):   # the uninterrupted run goes on
+        _dcp_step(saver, optimizer, scheduler, step, x, y)
     want, _ = _full_state(saver, optimizer)
 
     # the loader: FSDP1 over a model with other weights (flat parameters, sharded otherwise)
     plain = models.build_model("mlp", seed=1)
     loader = FSDP(plain, device_id=torch.device("cpu"), auto_wrap_policy=ModuleWrapPolicy({models.MLPBlock}))
     resumed = torch.optim.AdamW(loader.parameters(), lr=DCP_LR)
-    checkpoint.load(loader, resumed, folder)
+    schedule = LambdaLR(resumed, _warmup)
+    checkpoint.load(loader, resumed, schedule, folder)
     weights, state = _full_state(loader, resumed)
-    _dcp_step(loader, resumed, DCP_STEPS, x, y)
+    loaded_at = (schedule.last_epoch, schedule.get_last_lr()[0])
+    for step in range(DCP_STEPS, DCP_STEPS + DCP_AFTER):
+        _dcp_step(loader, resumed, schedule, step, x, y)
     after, _ = _full_state(loader, resumed)
     return {"weights": _close([weights.get(k, torch.full_like(v, float("nan"))) for k, v in saved_weights.items()],
                               list(saved_weights.values())),
-            "state": _compare_state(state, saved_state),
+            "state": _compare_state(state, saved_state), "saved_at": saved_at, "loaded_at": loaded_at,
             "next": max((after[k] - v).abs().max().item() for k, v in want.items())}
 
 
@@ -639,15 +701,16 @@ def _compare_state(state: dict, saved: dict) -> str:
     return ""
 
 
-@try_it("dcp", "4.2c", "a DCP checkpoint of model and optimizer, resumed sharded otherwise")
+@try_it("dcp", "4.2c", "a DCP checkpoint of model, optimizer and schedule, resumed sharded otherwise")
 def check_dcp(checkpoint, cluster) -> Report:
     report = Report("")
     weights, state = "after load, the weights are the saved ones", "after load, the optimizer's state is the saved one"
-    step = "the next step equals the uninterrupted run's"
+    where = "after load, the schedule is where the saved run left it"
+    step = f"the next {DCP_AFTER} steps equal the uninterrupted run's"
     missing = [m for m in ("save", "load") if not callable(getattr(checkpoint, m, None))]
     if missing:
         report.add("runs on every rank", False, f"the class has no {' and no '.join(missing)} to call")
-        for name in (weights, state, step):
+        for name in (weights, state, where, step):
             report.add(name, None, LATER)
         return report
     folder = tempfile.mkdtemp(prefix="dpcourse-dcp-")   # fresh: DCP warns when it overwrites
@@ -656,7 +719,22 @@ def check_dcp(checkpoint, cluster) -> Report:
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     if isinstance(got, RankFailure):
-        return _failed_run(report, got, [weights, state, step])
+        by_position = re.search(r"Size mismatch between saved .* for \S*state\.\d+\.", got.summary)
+        said = re.search(r"(Size mismatch between saved[^\n]*|loaded state dict contains a parameter group[^\n]*)",
+                         got.summary)
+        if by_position or "parameter group that doesn't match" in got.summary:
+            seen = ("the saved optimizer state, numbered by position, has other shapes than the new "
+                    "optimizer's" if by_position else "the saved parameter groups do not match the new "
+                    "optimizer's in size")
+            report.add("runs on every rank", False, f"load failed putting the optimizer's state back: {seen} "
+                       f"(PyTorch: \"{said.group(1).strip()[:160] if said else got.summary[:160]}\"). An optimizer's own state_dict numbers "
+                       "its parameters by their position in this rank's optimizer and holds them as this "
+                       "sharding lays them out, which another sharding does otherwise: which state dicts "
+                       "name them by the model's parameter names, whatever the sharding?")
+            for name in (weights, state, where, step):
+                report.add(name, None, LATER)
+            return report
+        return _failed_run(report, got, [weights, state, where, step])
     report.add("runs on every rank", True)
     if all(r["weights"] for r in got):
         report.add(weights, True)
@@ -671,33 +749,46 @@ def check_dcp(checkpoint, cluster) -> Report:
                    if problems[0].startswith("empty") else f"after load, the optimizer's state differs: "
                    f"{problems[0]}. AdamW's moments and step count decide the next update: are they saved, "
                    "read back and put into the new optimizer?")
+    (want_at, want_lr), (got_at, got_lr) = got[0]["saved_at"], got[0]["loaded_at"]
+    if all(r["loaded_at"] == r["saved_at"] for r in got):
+        report.add(where, True)
+    else:
+        report.add(where, False, f"after load the learning-rate schedule is at step {got_at} (rate {got_lr:.3g}), "
+                   f"the saved run's was at step {want_at} ({want_lr:.3g}): the warm-up starts over, and the "
+                   "resumed run trains at rates the uninterrupted one never used. Is the schedule's position "
+                   "part of the checkpoint, and put back into the new scheduler?")
     worst = max(r["next"] for r in got)
     if worst < 1e-5:
         report.add(step, True)
     else:
-        report.add(step, False, f"after the next step the weights differ from the uninterrupted run's by up to "
-                   f"{worst:.2g}: the resumed run does not continue where the saved one stopped")
+        report.add(step, False, f"after the next {DCP_AFTER} steps the weights differ from the uninterrupted "
+                   f"run's by up to {worst:.2g}: the resumed run does not continue where the saved one stopped")
     return report
 
 
 # ---------------------------------------------------------------------------- gradient_sync
-SYNC_MICRO_BATCHES, SYNC_MICRO = 3, 4   # micro-batches per rank and step, samples in each
+SYNC_SIZES = (2, 4, 6)     # samples in each of a rank's micro-batches: unequal on purpose
 
 
 def _accumulate_on_rank(accumulate):
+    import math as _math
+
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    share = SYNC_MICRO_BATCHES * SYNC_MICRO
+    share = sum(SYNC_SIZES)
     x, y = models.make_dataset("mlp", share * world).tensors
     mine = slice(rank * share, (rank + 1) * share)
-    micro_batches = list(zip(x[mine].chunk(SYNC_MICRO_BATCHES), y[mine].chunk(SYNC_MICRO_BATCHES)))
+    micro_batches = list(zip(x[mine].split(list(SYNC_SIZES)), y[mine].split(list(SYNC_SIZES))))
     reference = models.build_model("mlp", seed=0)
     models.loss_fn("mlp", reference(x), y).backward()
     want = [p.grad for p in reference.parameters()]
-    local = models.build_model("mlp", seed=0)          # this rank's own samples only
-    models.loss_fn("mlp", local(x[mine]), y[mine]).backward()
+    equal = models.build_model("mlp", seed=0)          # each micro-batch's mean loss counted alike
+    for r in range(world):
+        rows = slice(r * share, (r + 1) * share)
+        for xb, yb in zip(x[rows].split(list(SYNC_SIZES)), y[rows].split(list(SYNC_SIZES))):
+            (models.loss_fn("mlp", equal(xb), yb) / (len(SYNC_SIZES) * world)).backward()
 
     mesh = init_device_mesh("cpu", (world,))
     model = models.build_model("mlp", seed=0)
@@ -705,14 +796,19 @@ def _accumulate_on_rank(accumulate):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     units = len(model.blocks) + 1
+    # the root's reduce-scatter output: its own parameters' (the head's) padded rows on one rank
+    root_size = sum(_math.ceil(p.shape[0] / world) * (p.numel() // p.shape[0]) for p in model.head.parameters())
     with _Collectives() as seen:
         accumulate(model, micro_batches)
+    sizes = [n for (_, c, _), n in zip(seen.seen, seen.sizes) if c == "reduce_scatter"]
     grads = [torch.zeros(p.shape) if p.grad is None else _full(p.grad) for p in model.parameters()]
-    return {"reduce_scatter": seen.count("reduce_scatter"), "units": units, "grads": grads, "want": want,
-            "local": [p.grad for p in local.parameters()], "empty": all(p.grad is None for p in model.parameters())}
+    return {"reduce_scatter": len(sizes), "root": sum(n == root_size for n in sizes), "units": units,
+            "grads": grads, "want": want, "equal": [p.grad for p in equal.parameters()],
+            "empty": all(p.grad is None for p in model.parameters())}
 
 
-@try_it("gradient_sync", "4.2c", f"{SYNC_MICRO_BATCHES} micro-batches per step under fully_shard, one reduce-scatter")
+@try_it("gradient_sync", "4.2c", f"micro-batches of {', '.join(map(str, SYNC_SIZES))} samples under fully_shard, "
+        "one reduce-scatter")
 def check_gradient_sync(accumulate, cluster) -> Report:
     report = Report("")
     once, same = "FSDP reduce-scatters each unit once per step", "gradients equal one process's on the global batch"
@@ -721,28 +817,38 @@ def check_gradient_sync(accumulate, cluster) -> Report:
         return _failed_run(report, got, [once, same])
     report.add("runs on every rank", True)
     r = got[0]
-    syncs = r["reduce_scatter"] / r["units"]
-    if syncs == 1:
+    blocks, n = r["units"] - 1, len(SYNC_SIZES)
+    root, of_blocks = r["root"], r["reduce_scatter"] - r["root"]
+    if (root, of_blocks) == (1, blocks):
         report.add(once, True)
-    elif syncs == 0:
+    elif r["reduce_scatter"] == 0:
         report.add(once, False, "no reduce-scatter ran at all: every micro-batch's backward ran with the "
                    "gradient synchronisation off, so the gradients stayed unsharded on each rank, never "
                    "averaged over the ranks. Is synchronisation back on for the last backward?")
     else:
-        report.add(once, False, f"FSDP reduce-scattered the gradients {syncs:g} times for "
-                   f"{SYNC_MICRO_BATCHES} micro-batches: it synchronised after micro-batches whose gradients "
-                   "were not final yet. What lets a backward only add to the unsharded gradients, without "
-                   "communicating?")
+        report.add(once, False, f"for {n} micro-batches the root's unit reduce-scattered {_times(root)} and "
+                   f"the {blocks} blocks' units {_times(of_blocks)} in all: a unit that synchronised more than "
+                   "once did so for micro-batches whose gradients were not final yet. Which units did the "
+                   "switch reach: the root alone, or every unit below it too?")
     if all(_close(x["grads"], x["want"]) for x in got):
         report.add(same, True)
     elif r["empty"]:
         report.add(same, False, "the parameters' .grad are empty: FSDP2 keeps the accumulated unsharded "
                    "gradients aside and writes .grad only when a backward reduce-scatters them")
+    elif all(_close(x["grads"], x["equal"]) for x in got):
+        report.add(same, False, f"the gradients are those of the mean of the micro-batches' mean losses, each "
+                   f"micro-batch counting alike, although they hold {', '.join(map(str, SYNC_SIZES))} samples: "
+                   "a sample in a small micro-batch counted more than one in a large one. How much should "
+                   "each micro-batch's mean loss count, if every sample is to count the same?")
     else:
         ratio = _ratio(r["grads"], r["want"])
         scale = (f"about {ratio:.2g} times the right size: how much should each micro-batch's loss count, "
-                 "if the step is to see the mean over all of them?" if abs(ratio - 1) > 0.05
-                 else "they differ from it: is every micro-batch's loss part of the gradient, once, and "
-                      "reduce-scattered after the last one?")
+                 "if the step is to see the mean over all the samples?" if abs(ratio - 1) > 0.05
+                 else "they differ from it: is every micro-batch's loss part of the gradient, once, weighted "
+                      "by its samples, and reduce-scattered after the last one?")
         report.add(same, False, scale)
     return report
+
+
+def _times(n: int) -> str:
+    return {0: "never", 1: "once", 2: "twice"}.get(n, f"{n} times")
