@@ -4,7 +4,6 @@ the others are still graded."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -34,29 +33,24 @@ def test_the_six_exercises_as_shipped_are_not_attempted():
 
 
 def test_a_filled_notebook_passes_and_a_broken_or_hanging_one_does_not_stop_the_others(tmp_path):
-    shutil.copy(EXERCISES / "train_single.py", tmp_path)
-    nb = nbformat.read(EXERCISES / "B-ddp-vs-fsdp.ipynb", as_version=4)
-    cells = [c for c in nb.cells if c.cell_type == "code" and ("def wrap_ddp" in c.source or "predicted = {" in c.source)]
-    cells[0].source = dpc.exercises.solution("B")
-    for cell in cells[1:]:
-        cell.source = "pass"
+    nb = nbformat.read(EXERCISES / "E-bucketed-ddp.ipynb", as_version=4)
+    cell = next(c for c in nb.cells if c.cell_type == "code" and "class MyBucketedDDP" in c.source)
+    cell.source = "import dpcourse as dpc\n" + dpc.exercises.solution("E")   # the quickest check: seconds
     nbformat.write(nb, tmp_path / "1-filled.ipynb")
     for name, source in (("0-raises", "raise RuntimeError('a learner broke this')"),
                          ("2-hangs", "import time\ntime.sleep(600)")):
         broken = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source)])
         nbformat.write(broken, tmp_path / f"{name}.ipynb")
-    # a cell may take 200 s: exercise B's check runs on 2, 3 and 4 fresh ranks and a large model (about a
-    # minute on an idle 2-core laptop, twice that on a busy one)
-    done = grade(tmp_path, "--timeout", "200")
+    done = grade(tmp_path, "--timeout", "60")
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.splitlines()
     assert lines[0].split() == ["notebook", "check", "item", "status"]
     raised = [line for line in lines if line.startswith("0-raises")]
     assert raised and "RuntimeError: a learner broke this" in raised[0], done.stdout
     hung = [line for line in lines if line.startswith("2-hangs")]
-    assert hung and "ran past 200 s" in hung[0], done.stdout
+    assert hung and "ran past 60 s" in hung[0], done.stdout
     filled = [line for line in lines if line.startswith("1-filled")]
-    assert len(filled) >= 10 and all(line.rstrip().endswith("passed") for line in filled), done.stdout
+    assert len(filled) >= 4 and all(line.rstrip().endswith("passed") for line in filled), done.stdout
 
 
 def test_a_path_that_is_no_notebook_is_refused():
