@@ -291,7 +291,9 @@ def test_e_a_rank_error_is_a_failed_item(cluster2):
 
 def test_solutions_are_the_reference_files():
     assert dpc.exercises.solution("d") == RING and dpc.exercises.solution("E") == BUCKETED
-    assert dpc.exercises.solution("A") == Path(dpc.scripts.path("train_ddp")).read_text()
+    solutions = Path(dpc.exercises.__file__).parent / "solutions"
+    assert dpc.exercises.solution("A") == (solutions / "train_lm_ddp.py").read_text()
+    assert dpc.exercises.solution("F") == (solutions / "train_lm_fsdp.py").read_text()
     with pytest.raises(ValueError, match=r"choose one of \['A', 'B', 'C', 'D', 'E', 'F'\]"):
         dpc.exercises.solution("Z")
 

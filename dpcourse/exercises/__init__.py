@@ -1,16 +1,16 @@
 """Exercises: starters the learner edits, checkers that say item by item what is right.
 
-    report = dpc.exercises.check_a("train_ddp.py")   # runs it on 2 ranks under torchrun
-    report = dpc.exercises.check_f("train_fsdp.py")  # the same, for the FSDP2 conversion
+    report = dpc.exercises.check_a("train_lm_ddp.py")   # runs it on 2 ranks under torchrun
+    report = dpc.exercises.check_f("train_lm_fsdp.py")  # the same, for the FSDP2 conversion
     report.passed, report.items                        # shown as a table in Jupyter
     dpc.exercises.solution("A")                        # the reference solution, on request
     dpc.exercises.check_d(ring_reduce_scatter, ring_all_gather)   # on 2-5 real ranks
     dpc.exercises.check_e(MyBucketedDDP)               # next to torch DDP on 2 ranks
-    dpc.exercises.check_answer("4.1", 3, {...})        # the chapters' self-check questions
+    dpc.exercises.check_answer("4.1a", 3, {...})       # the chapters' self-check questions
     dpc.exercises.check_answer("4.2a", "no_sync", accumulate, cluster)   # a try-it cell, on the ranks
     report.fix()                                       # a failed check's reference, on request
-    dpc.exercises.check_b(wrap_ddp, wrap_fsdp, predicted, faster)   # set-ups and predictions
-    dpc.exercises.check_c(configs, predicted)          # four FSDP configurations, three orderings
+    dpc.exercises.check_b(wrap_ddp, wrap_fsdp, predicted)   # set-ups, formulas on 2-4 ranks, a memory budget
+    dpc.exercises.check_c(configs, predict)            # four FSDP configurations, their figures and order
 """
 from __future__ import annotations
 
@@ -22,28 +22,23 @@ from .exercise_f import check_f
 from .report import Item, Report
 from .selfcheck import check_answer
 
-SOLUTIONS = {"A": "train_ddp", "F": "train_fsdp"}  # scripts of dpc.scripts
-# files in solutions/
-SOLUTION_FILES = {"B": "setups_b.py", "C": "configs_c.py", "D": "ring_d.py", "E": "bucketed_e.py"}
+# files in solutions/: A's and F's are complete scripts, conversions of starters/train_lm.py
+SOLUTION_FILES = {"A": "train_lm_ddp.py", "B": "setups_b.py", "C": "configs_c.py", "D": "ring_d.py",
+                  "E": "bucketed_e.py", "F": "train_lm_fsdp.py"}
 
 
 def solution(exercise: str) -> str:
     """The reference solution of ``exercise`` ("A" to "F", or a try-it's name such as
     "no_sync"), as source text (print it to read it)."""
-    from .. import scripts
     from . import tryits
 
     key = exercise.upper()
     if exercise in tryits.load_all():
         return tryits.reference(exercise)
-    if key in SOLUTION_FILES:
-        path = os.path.join(os.path.dirname(__file__), "solutions", SOLUTION_FILES[key])
-    elif key in SOLUTIONS:
-        path = scripts.path(SOLUTIONS[key])
-    else:
-        raise ValueError(f"no exercise {exercise!r}; choose one of {sorted({**SOLUTIONS, **SOLUTION_FILES})} "
+    if key not in SOLUTION_FILES:
+        raise ValueError(f"no exercise {exercise!r}; choose one of {sorted(SOLUTION_FILES)} "
                          f"or a try-it: {', '.join(sorted(tryits.load_all()))}")
-    with open(path) as f:
+    with open(os.path.join(os.path.dirname(__file__), "solutions", SOLUTION_FILES[key])) as f:
         return f.read()
 
 

@@ -6,7 +6,11 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from dataclasses import dataclass
+
+from .hang_watch import Watch
 
 SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "site")
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -14,7 +18,12 @@ PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(_
 
 @dataclass
 class Run:
-    """What one torchrun launch did: exit code (None: timed out), output, per-rank stdout."""
+    """What one torchrun launch did: exit code (None: stopped), output, per-rank stdout.
+
+    ``hung``: True when it was stopped early because its ranks waited in collectives that
+    can never complete; ``where``: then, and after a timeout, where each rank was, e.g.
+    "rank 0 waits in its 3rd all_gather since optimizer step 4 (for 15 s); rank 1 has left
+    the process group"; ``seconds``: how long it ran."""
 
     script: str
     returncode: int | None
@@ -22,6 +31,9 @@ class Run:
     rank_stdout: dict[int, str]
     workdir: str
     observed: str
+    hung: bool = False
+    where: str = ""
+    seconds: float = 0.0
 
     @property
     def timed_out(self) -> bool:
@@ -46,11 +58,20 @@ def aborted_at_exit(returncode: int | None, output: str, work_done: bool) -> boo
             and EXIT_ABORT in output)
 
 
-def torchrun(script: str, args: list[str], workdir: str, nproc: int, timeout: float) -> Run:
+STUCK_S = 15.0  # seconds a rank may wait in one collective while its peer cannot join it
+POLL_S = 0.5
+
+
+def torchrun(script: str, args: list[str], workdir: str, nproc: int, timeout: float,
+             stuck_s: float = STUCK_S) -> Run:
     """``torchrun --standalone --nproc_per_node=nproc script *args`` in ``workdir``, observed.
 
-    On a timeout the launch is stopped as a whole: torchrun first (it stops its workers,
-    which run in sessions of their own), then anything of it still alive.
+    While it runs, the ranks' logs say which collective each waits in (``observe.py``). The
+    launch is stopped early, as hung, once a rank has waited in one collective for
+    ``stuck_s`` seconds while another rank has ended, has left the process group, or waits
+    in a different collective: no peer can ever join it. Otherwise it is stopped after
+    ``timeout`` seconds. Either way it is stopped as a whole: torchrun first (it stops its
+    workers, which run in sessions of their own), then anything of it still alive.
     """
     observed = os.path.join(workdir, ".observed")
     logs = os.path.join(workdir, ".logs")
@@ -60,20 +81,36 @@ def torchrun(script: str, args: list[str], workdir: str, nproc: int, timeout: fl
                                                              os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "--redirects", "1", "--log-dir", logs, os.path.abspath(script), *args]
+    start = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-        code = proc.returncode
-    except subprocess.TimeoutExpired:
+    chunks: list[str] = []
+    reader = threading.Thread(target=lambda: chunks.extend(iter(proc.stdout.readline, "")), daemon=True)
+    reader.start()
+    watch = Watch(observed, nproc, stuck_s)
+    hung, where = False, ""
+    while proc.poll() is None:
+        if time.monotonic() - start > timeout:
+            where = watch.describe()
+            break
+        hung, where = watch.check()
+        if hung:
+            break
+        time.sleep(POLL_S)
+    if proc.poll() is None:
         _stop(proc)
-        output, _ = proc.communicate()
         code = None
+    else:
+        code = proc.returncode
+        where = ""
+    proc.wait()
+    reader.join(10)
     stdout = {}
     for rank in range(nproc):
         files = glob.glob(os.path.join(logs, "**", str(rank), "stdout.log"), recursive=True)
         stdout[rank] = "".join(open(f, errors="replace").read() for f in files)
-    return Run(os.path.abspath(script), code, output, stdout, workdir, observed)
+    return Run(os.path.abspath(script), code, "".join(chunks), stdout, workdir, observed, hung, where,
+               time.monotonic() - start)
 
 
 def _stop(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
