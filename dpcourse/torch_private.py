@@ -1,4 +1,5 @@
-"""Every private PyTorch name the package uses, in one place, each with why and what to expect.
+"""Every private PyTorch (and cloudpickle) name the package uses, in one place, each with why
+and what to expect.
 
 The course is tested on PyTorch 2.13. Private names (a leading underscore) can move in any
 release, so nothing else in the package touches one: it calls the functions here, which
@@ -32,6 +33,14 @@ almost does).
     ScriptObject._type                               pool's tracker            a boxed ProcessGroup argument
     Tensor._version, Tensor._base                    observe.Comm, Activations when a collective wrote its output;
                                                                                a saved view's storage
+    MemTracker._WINFO                                observe.Memory            a storage's record of its bytes
+    FSDP1 unit's _handle.flat_param                  observe.Memory            FSDP1's FlatParameters
+    FSDPParamGroup.fsdp_params, FSDPParam's          observe.Memory            FSDP2's shards, unsharded
+      sharded_param, _unsharded_param, all_gather_outputs                      parameters and buffers
+    FSDP_WRAPPED_MODULE, _CHECKPOINT_WRAPPED_MODULE  observe (module names),   wrapped names as in the plain
+                                                     train.runner              model; is this FSDP1
+    torch.distributed._functional_collectives        exercises.observe         DTensor's collectives
+    cloudpickle.cloudpickle._code_reduce             pool.wire                 a cell's file name in tracebacks
 
 Exercise E's reference solution, which the learner reads as PyTorch code, writes
 ``Variable._execution_engine.queue_callback`` itself, as DDP's own Python code would.
@@ -135,6 +144,93 @@ def fsdp2_offload_policy(module):
     return _member(group, "offload_policy", "FSDPParamGroup.offload_policy", "4.2c's offload_clip check")
 
 
+def logging_mem_tracker(on_change):
+    """A ``MemTracker`` that also calls ``on_change(kind, info, old_bytes)`` after each change it
+    records: ``kind`` is "ADD", "DEL", "SIZE" (a ``resize_``) or "REF" (its ``_UpdateType``'s
+    names), ``info`` its ``_WeakRefInfo`` of the storage (``mem_consumed``: bytes now;
+    ``reftype``), ``old_bytes`` the storage's bytes before the change. Overrides
+    ``MemTracker._update_snap(u_type, winfo, old_mem_consumed, old_reftype)``, which 2.13
+    calls on every change it sees (public: none reports changes one by one)."""
+    class Logging(mem_tracker_class()):
+        def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None):
+            super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
+            on_change(u_type.name, winfo, old_mem_consumed)
+
+    return Logging()
+
+
+def mem_tracker_record(tracker, storage):
+    """A ``MemTracker``'s record (``_WeakRefInfo``) of an untyped storage it is tracking, None if
+    it has none. Reads ``MemTracker._WINFO`` (a weak dict: storage -> (record, weak ref))."""
+    winfo = _member(tracker, "_WINFO", "MemTracker._WINFO", "dpc.observe.Memory (storages by role)")
+    entry = winfo.get(storage, None)
+    return entry[0] if entry else None
+
+
+def fsdp1_flat_param(module):
+    """The FlatParameter an FSDP1 ``FullyShardedDataParallel`` unit holds (None if it holds no
+    parameters). Reads the unit's ``_handle`` (a ``FlatParamHandle``, None or absent when
+    there are no parameters) and its ``flat_param``."""
+    handle = getattr(module, "_handle", None)
+    if handle is None:
+        return None
+    return _member(handle, "flat_param", "FlatParamHandle.flat_param", "dpc.observe.Memory (FSDP1's flat shards)")
+
+
+def fsdp2_param_tensors(module) -> list[dict]:
+    """FSDP2's tensors of each parameter a ``fully_shard``-ed module manages (none if it shards
+    none), in its group's order: "sharded_param" (a DTensor), "unsharded_param" (None until
+    the first all-gather made it) and "all_gather_outputs" (a list). Reads the parameter group's
+    ``fsdp_params`` and each ``FSDPParam``'s ``sharded_param``, ``_unsharded_param`` and
+    ``all_gather_outputs`` (public: ``unshard()`` returns none of them)."""
+    group = fsdp2_param_group(module)
+    if group is None:
+        return []
+    purpose = "dpc.observe.Memory (FSDP2's parameters)"
+    return [{"sharded_param": _member(fp, "sharded_param", "FSDPParam.sharded_param", purpose),
+             "unsharded_param": getattr(fp, "_unsharded_param", None),
+             "all_gather_outputs": list(_member(fp, "all_gather_outputs", "FSDPParam.all_gather_outputs", purpose))}
+            for fp in _member(group, "fsdp_params", "FSDPParamGroup.fsdp_params", purpose)]
+
+
+def wrapper_module_names() -> tuple[str, str]:
+    """The attribute names under which FSDP1 and activation checkpointing register the module
+    they wrap (each appears in the wrapped model's parameter and module names):
+    ``torch.distributed.fsdp._common_utils.FSDP_WRAPPED_MODULE`` and
+    ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper._CHECKPOINT_WRAPPED_MODULE``."""
+    purpose = "naming a wrapped model's modules as in the plain model"
+    return (_attribute("torch.distributed.fsdp._common_utils", "FSDP_WRAPPED_MODULE", purpose),
+            _attribute("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "_CHECKPOINT_WRAPPED_MODULE",
+                       purpose))
+
+
+def is_fsdp1_wrapper(model) -> bool:
+    """Whether ``model`` is FSDP1's ``FullyShardedDataParallel`` or forwards attribute reads to
+    one: it answers for ``_fsdp_wrapped_module``, the submodule FSDP1 registers (an
+    ``isinstance`` check would miss a wrapper that forwards, as activation checkpointing's does)."""
+    return hasattr(model, wrapper_module_names()[0])
+
+
+def functional_collectives():
+    """``torch.distributed._functional_collectives``: the module whose Python functions DTensor
+    and FSDP2 call for their collectives (which never reach a c10d operator's Python entry point)."""
+    purpose = "observing DTensor's collectives"
+    try:
+        return importlib.import_module("torch.distributed._functional_collectives")
+    except ImportError:
+        raise _missing("torch.distributed._functional_collectives", purpose) from None
+
+
+def functional_collective_functions() -> list[tuple[str, object]]:
+    """(name, function) of each Python function ``functional_collectives()`` defines itself, by
+    name, less its autograd pieces (names ending ``_backward`` or ``_setup_context``)."""
+    import inspect
+
+    funcol = functional_collectives()
+    return [(name, fn) for name, fn in inspect.getmembers(funcol, inspect.isfunction)
+            if fn.__module__ == funcol.__name__ and not name.endswith(("_backward", "_setup_context"))]
+
+
 # --- the pool ------------------------------------------------------------------------------
 
 def below_autograd():
@@ -181,6 +277,15 @@ def process_groups() -> list:
                         "the pool's group keeping"))
 
 
+def cloudpickle_code_reduce():
+    """cloudpickle's own reducer of a code object, ``cloudpickle.cloudpickle._code_reduce``
+    (code -> (rebuild, args), args holding ``co_filename``); None where the installed
+    cloudpickle has none, in which case code pickles as cloudpickle does by default."""
+    import cloudpickle
+
+    return getattr(cloudpickle.cloudpickle, "_code_reduce", None)
+
+
 # --- SyncBatchNorm on a CPU (4.2d's sync_batchnorm try-it) ----------------------------------
 
 @contextlib.contextmanager
@@ -214,3 +319,4 @@ def sync_batchnorm_accepts_cpu():
     finally:
         torch.nn.SyncBatchNorm.forward = forward
         DDP._passing_sync_batchnorm_handle = refusal
+

@@ -209,10 +209,9 @@ _FUNCTIONAL = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "broa
 
 
 def _observe_functional_collectives(issue, note) -> None:
-    import inspect
+    from ..torch_private import functional_collective_functions, functional_collectives
 
-    import torch.distributed._functional_collectives as funcol
-
+    funcol = functional_collectives()
     numbers: dict[int, int] = {}  # id of a result's tensor -> the collective's number
     inside = threading.local()
 
@@ -237,9 +236,9 @@ def _observe_functional_collectives(issue, note) -> None:
 
         return call
 
-    for function, fn in inspect.getmembers(funcol, inspect.isfunction):
+    for function, fn in functional_collective_functions():
         name = next((n for n in _FUNCTIONAL if function.startswith(n)), None)
-        if name and fn.__module__ == funcol.__name__ and not function.endswith(("_backward", "_setup_context")):
+        if name:
             setattr(funcol, function, observed(name, fn))
     wait = funcol.wait_tensor
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..torch_private import fsdp1_flat_tensors, fsdp2_param_group
+from ..torch_private import fsdp1_flat_param, fsdp1_flat_tensors, fsdp2_param_tensors
 from .watch import local as _local
 
 ROLE_ORDER = ("parameters", "gradients", "optimizer_state", "bucket_buffers",
@@ -54,18 +54,17 @@ def role_tensors(model: nn.Module, optimizer, buckets=()):
             if inside["full_param_padded"] is not None:
                 yield "unsharded_parameters", inside["full_param_padded"]
     elif kind == "fully_shard":
-        for group in _fsdp2_groups(model):
-            for fp in group.fsdp_params:
-                yield "parameters", _local(fp.sharded_param)
-                if fp.sharded_param.grad is not None:
-                    yield "gradients", _local(fp.sharded_param.grad)
-                unsharded = getattr(fp, "_unsharded_param", None)
-                if unsharded is not None:
-                    yield "unsharded_parameters", unsharded
-                    if unsharded.grad is not None:
-                        yield "unsharded_gradients", unsharded.grad
-                for out in fp.all_gather_outputs:
-                    yield "unsharded_parameters", out
+        for fp in _fsdp2_params(model):
+            yield "parameters", _local(fp["sharded_param"])
+            if fp["sharded_param"].grad is not None:
+                yield "gradients", _local(fp["sharded_param"].grad)
+            unsharded = fp["unsharded_param"]
+            if unsharded is not None:
+                yield "unsharded_parameters", unsharded
+                if unsharded.grad is not None:
+                    yield "unsharded_gradients", unsharded.grad
+            for out in fp["all_gather_outputs"]:
+                yield "unsharded_parameters", out
     else:
         for p in model.parameters():
             yield "parameters", _local(p)
@@ -84,19 +83,18 @@ def fsdp1_flat_params(model):
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     for module in model.modules():
-        handle = getattr(module, "_handle", None) if isinstance(module, FullyShardedDataParallel) else None
-        if handle is not None:
-            yield handle.flat_param
+        flat = fsdp1_flat_param(module) if isinstance(module, FullyShardedDataParallel) else None
+        if flat is not None:
+            yield flat
 
 
-def _fsdp2_groups(model):
+def _fsdp2_params(model):
+    """FSDP2's tensors of each parameter (``torch_private.fsdp2_param_tensors``), unit by unit."""
     from torch.distributed.fsdp import FSDPModule
 
     for module in model.modules():
         if isinstance(module, FSDPModule):
-            group = fsdp2_param_group(module)
-            if group is not None:
-                yield group
+            yield from fsdp2_param_tensors(module)
 
 
 def held_bytes(model: nn.Module, optimizer, buckets=()) -> dict:

@@ -19,6 +19,7 @@ Runs on the ranks; never draws.
 from __future__ import annotations
 
 from ..memory.ledger import CATEGORIES
+from ..torch_private import mem_tracker_record
 from .held import ROLE_ORDER, TOOL_LABELS, fsdp1_flat_params, role_tensors, wrapper_kind
 
 
@@ -26,14 +27,9 @@ class CallRecorder:
     """Logs every storage change with the phase it happened in; files each storage by role."""
 
     def __init__(self):
-        from ..torch_private import mem_tracker_class
+        from ..torch_private import logging_mem_tracker
 
-        class Logging(mem_tracker_class()):
-            def _update_snap(tracker, u_type, winfo, old_mem_consumed=None, old_reftype=None):
-                super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
-                self._on_change(u_type.name, winfo, old_mem_consumed)
-
-        self.tracker = Logging()
+        self.tracker = logging_mem_tracker(self._on_change)
         self.tool = "MemTracker"
         self.model = self.optimizer = None
         self.buckets: dict = {}
@@ -79,8 +75,8 @@ class CallRecorder:
         if self.model is None:
             return
         for role, tensor in role_tensors(self.model, self.optimizer, self.buckets):
-            entry = self.tracker._WINFO.get(tensor.untyped_storage(), None)
-            sid = getattr(entry[0], "_dpc_id", None) if entry else None
+            winfo = mem_tracker_record(self.tracker, tensor.untyped_storage())
+            sid = getattr(winfo, "_dpc_id", None)  # None: a storage the tracker has not seen
             if sid is not None and (sid not in self.roles
                                     or ROLE_ORDER.index(role) < ROLE_ORDER.index(self.roles[sid])):
                 self.roles[sid] = role

@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..torch_private import wrapper_module_names
+
 
 class LoopWatch:
     """Inside ``with LoopWatch(on_forward=..., on_step_begin=..., on_step_end=...):`` the
@@ -88,9 +90,9 @@ def unwrapped_names(root: nn.Module) -> dict[nn.Module, str]:
     anything with DDP's surface, FSDP1's ``_fsdp_wrapped_module.``, activation
     checkpointing's ``_checkpoint_wrapped_module.``) dropped; "" is the plain model itself."""
     inner = root.module if isinstance(getattr(root, "module", None), nn.Module) else root
-    names = {}
+    names, wrapped = {}, wrapper_module_names()
     for name, module in inner.named_modules():
-        for part in ("_fsdp_wrapped_module", "_checkpoint_wrapped_module"):
+        for part in wrapped:
             name = name.replace(part + ".", "").replace(part, "")
         names.setdefault(module, name.strip("."))
     return names

@@ -12,6 +12,7 @@ import types
 
 import cloudpickle
 
+from ..torch_private import cloudpickle_code_reduce
 from .errors import SerializationError
 
 # Messages are tuples whose first item says what they are.
@@ -48,7 +49,7 @@ def _identity(x):
 def _reduce_code_keeping_filename(code):
     """cloudpickle renames every code object's file to "<dynamic-code>"; keep the real name
     so a rank's traceback points at the notebook cell (whose source we ship, see below)."""
-    reduce = getattr(cloudpickle.cloudpickle, "_code_reduce", None)
+    reduce = cloudpickle_code_reduce()
     if reduce is None:
         return NotImplemented
     rebuild, args = reduce(code)

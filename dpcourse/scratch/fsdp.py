@@ -89,9 +89,8 @@ class MiniFSDP(nn.Module):
     def _make_units(self, module, predicate, compute_dtype, group, shard_root) -> list[FlatUnit]:
         owners = {}  # id(param) -> [(module, attribute)], every place the tensor is registered
         for m in module.modules():
-            for attr, p in m._parameters.items():
-                if p is not None:
-                    owners.setdefault(id(p), []).append((m, attr))
+            for attr, p in m.named_parameters(recurse=False, remove_duplicate=False):
+                owners.setdefault(id(p), []).append((m, attr))
         names = {id(p): n for n, p in module.named_parameters()}
         unit_modules = [(name, m) for name, m in _post_order(module) if predicate(m) or m is module]
         region = {}  # module -> the unit module whose flat tensor holds its own parameters
@@ -124,8 +123,8 @@ class MiniFSDP(nn.Module):
             unit.module, unit.is_root, unit.backward_started = m, m is module, False
             units.append(unit)
         for m in module.modules():
-            for attr in [a for a, p in m._parameters.items() if p is not None]:
-                del m._parameters[attr]  # the flat tensors own the data now
+            for attr, _ in list(m.named_parameters(recurse=False, remove_duplicate=False)):
+                delattr(m, attr)  # the flat tensors own the data now
         return units
 
     # --- communication ----------------------------------------------------------------

@@ -132,9 +132,11 @@ def full_model_state(model) -> dict | None:
     collective: every rank calls it."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+    from ..torch_private import is_fsdp1_wrapper
+
     if hasattr(model, "gather_full_params"):  # the from-scratch MiniFSDP
         full = model.gather_full_params()
-    elif isinstance(getattr(model, "module", None), torch.nn.Module) and not hasattr(model, "_fsdp_wrapped_module"):
+    elif isinstance(getattr(model, "module", None), torch.nn.Module) and not is_fsdp1_wrapper(model):
         full = get_model_state_dict(model.module)  # DDP or a wrapper with DDP's surface: the plain model
     else:
         # cpu_offload=True segfaults for FSDP1 when the parameters already live on the CPU

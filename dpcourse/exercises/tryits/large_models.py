@@ -21,6 +21,7 @@ from torch import nn
 
 from ... import models
 from ...backends import rank_device
+from ...torch_private import wrapper_module_names
 from ..ranks import RankFailure, run_or_failure
 from ..report import Report
 from . import try_it
@@ -57,7 +58,7 @@ def _shard_blocks(model) -> nn.Module:
 
 def _plain_name(name: str) -> str:
     """A parameter's name in the plain model: activation checkpointing's wrapper names dropped."""
-    return name.replace("_checkpoint_wrapped_module.", "")
+    return name.replace(wrapper_module_names()[1] + ".", "")
 
 
 def _failed(report: Report, got: RankFailure, items: list[str]) -> Report:
