@@ -14,7 +14,7 @@ import dpcourse as dpc  # noqa: E402
 from dpcourse.viz import calculator, memory  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
-PNG = b"\x89PNG"
+SVG = b"<svg"
 
 
 def _train(strategy):
@@ -85,10 +85,10 @@ def test_player_walks_the_recorded_step(measured):
     frames = len(measured[0]["ddp"].frames(0))
     assert player.slider.max == player.play.max == frames - 1
     first = bytes(player.image.value)
-    assert first.startswith(PNG)
+    assert first.startswith(SVG)
     player.slider.value = frames // 2
-    assert bytes(player.image.value).startswith(PNG) and bytes(player.image.value) != first
-    assert set(player._png) == {0, frames // 2}
+    assert bytes(player.image.value).startswith(SVG) and bytes(player.image.value) != first
+    assert set(player._drawn) == {0, frames // 2}
     assert memory.phase_kind("forward blocks.2") == "forward" and memory.phase_kind("zero_grad") == "at rest"
 
 
@@ -101,7 +101,7 @@ def test_calculator_flags_what_does_not_fit():
     assert "does not fit: ddp" in calc.verdict and "fits with" in calc.verdict
     # 64 ranks are 8 nodes of 8: HYBRID_SHARD holds 16 bytes x 7.5e9 / 8 = 15 GB of model states
     assert "The rule picks HYBRID_SHARD: sharding over one node (8 ranks) fits" in calc.verdict
-    assert bytes(calc.image.value).startswith(PNG)
+    assert "<svg" in calc.chart.value
     calc.apply(world_size=1)
     assert "does not fit with any strategy" in calc.verdict
     calc.apply(mode="transformer shape", n_layers=2, d_model=32, vocab_size=64, seq_len=16, world_size=2,

@@ -1,48 +1,65 @@
 """The memory calculator widget: model size, ranks, precision, optimizer -> does it fit?
 
-Every redraw computes ``ledger`` for each strategy (microseconds) and draws one small
-matplotlib figure to PNG; it never starts processes. Bytes are shown in the chosen unit
+Every redraw computes ``ledger`` for each strategy (microseconds) and writes the bars as
+inline SVG into an HTML widget (a few ms: a matplotlib PNG would take longer than the 100 ms a
+slider step may); it never starts processes. Bytes are shown in the chosen unit
 (GB = 10^9 bytes, as the ZeRO paper counts; GiB = 2^30 bytes).
 """
 from __future__ import annotations
-
-import io
 
 from ..memory.fit import equal_units, fit_table, recommend, transformer_units
 from ..memory.layout import transformer_num_params
 from ..memory.ledger import CATEGORIES, OPTIMIZERS
 from ..memory.sizes import UNITS, in_unit
+from . import svg
 from .memory import CATEGORY_COLORS, LABELS
-from .png import show_png
 
 ZERO_PRESET = {"mode": "parameters", "billions": 7.5, "world_size": 64, "precision": "mixed",
                "optimizer": "adam", "device_gb": 32.0, "activations_gb": 0.0}  # ZeRO paper, Fig. 1
 
 
-def render_fit_png(rows, device_bytes: int, unit: str = "GB") -> bytes:
-    """Horizontal stacked bars (at rest) with the peak marked, and the device's memory."""
-    from matplotlib.figure import Figure
+# the chart's geometry, in CSS pixels: a label column, the bars, room for the numbers
+_WIDTH, _LABELS, _RIGHT, _ROW, _BAR, _TOP, _AXIS = 720, 130, 24, 30, 22, 10, 44
 
-    fig = Figure(figsize=(8, 0.45 * len(rows) + 1.8))
-    ax = fig.subplots()
-    for i, row in enumerate(rows):
-        left = 0.0
+
+def render_fit_html(rows, device_bytes: int, unit: str = "GB") -> str:
+    """Horizontal stacked bars (at rest, bytes per rank in ``unit``) with the peak marked, and
+    the device's memory, as inline SVG plus an HTML legend: the browser draws it, so a redraw
+    costs the kernel a few hundred short strings instead of a matplotlib PNG."""
+    peaks = [in_unit(r["peak"], unit) for r in rows]
+    device = in_unit(device_bytes, unit)
+    axis_end = max(peaks + [device]) * 1.05 or 1.0  # matplotlib's 5 % margin beyond the longest
+    ticks = svg.nice_ticks(axis_end)
+    right = _WIDTH - _RIGHT
+    scale = (right - _LABELS) / axis_end
+    height = _TOP + _ROW * len(rows) + _AXIS
+    bottom = _TOP + _ROW * len(rows)
+    parts, used = [], []
+    for tick in ticks:
+        x = _LABELS + tick * scale
+        parts += [svg.line(x, bottom, x, bottom + 4, "#444"),
+                  svg.text(x, bottom + 6, svg.tick_label(tick), 10, "middle", "#222", "hanging")]
+    for i, row in enumerate(rows):  # first row on top, as the table lists them
+        y, left = _TOP + i * _ROW + (_ROW - _BAR) / 2, 0.0
+        book = row["ledger"]
         for c in CATEGORIES:
-            width = in_unit(row["ledger"].bytes[c], unit) if c in row["ledger"].at_rest() else 0
+            width = in_unit(book.bytes[c], unit) if c in book.at_rest() else 0
             if width:
-                ax.barh(i, width, left=left, color=CATEGORY_COLORS[c], label=LABELS[c] if i == 0 else None)
+                parts.append(svg.rect(_LABELS + left * scale, y, width * scale, _BAR, CATEGORY_COLORS[c],
+                                      title=f"{row['strategy']}: {LABELS[c]} {width:.4g} {unit}"))
                 left += width
-        ax.plot([in_unit(row["peak"], unit)] * 2, [i - 0.4, i + 0.4], color="k", lw=1.5)
-    ax.axvline(in_unit(device_bytes, unit), color="red", ls="--", lw=1.2, label="device memory")
-    ax.set_yticks(range(len(rows)), [("" if r["fits"] else "✗ ") + r["strategy"] for r in rows], fontsize=8)
-    ax.invert_yaxis()
-    ax.set_xlabel(f"{unit} per rank (bars: at rest; black tick: peak with transients)")
-    # below the axes, never on a bar, and the figure stays narrow enough for a notebook
-    fig.legend(*ax.get_legend_handles_labels(), fontsize=7, loc="lower center", ncol=6, frameon=False)
-    fig.tight_layout(rect=(0, 0.45 / fig.get_figheight(), 1, 1))
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=90)
-    return buf.getvalue()
+                used += [c] if c not in used else []
+        x = _LABELS + peaks[i] * scale
+        parts.append(svg.line(x, y - 3, x, y + _BAR + 3, "#000", 2))
+        name = ("" if row["fits"] else "✗ ") + row["strategy"]
+        parts.append(svg.text(_LABELS - 6, y + _BAR / 2, name, 11, "end"))
+    x = _LABELS + device * scale
+    parts += [svg.line(_LABELS, _TOP, _LABELS, bottom, "#444"), svg.line(_LABELS, bottom, right, bottom, "#444"),
+              svg.line(x, _TOP - 4, x, bottom, "red", 1.5, "6 3"),
+              svg.text((_LABELS + right) / 2, height - 4, f"{unit} per rank (bars: at rest; black tick: peak "
+                       "with transients)", 11, "middle", "#000", "auto")]
+    key = [(CATEGORY_COLORS[c], LABELS[c]) for c in used] + [("--red", "device memory")]
+    return f"<div style='width:{_WIDTH}px'>" + svg.svg(_WIDTH, height, parts) + svg.legend(key) + "</div>"
 
 
 class MemoryCalculator:
@@ -72,7 +89,7 @@ class MemoryCalculator:
         self.unit = w.ToggleButtons(options=["GB", "GiB"], value="GB")
         self.preset = w.Button(description="ZeRO paper: 7.5B on 64 GPUs", layout=w.Layout(width="auto"))
         self.text = w.HTML()
-        self.image = w.Image(format="png")
+        self.chart = w.HTML()  # the bars, as inline SVG
         self.inputs = [self.mode, self.billions, self.num_units, self.n_layers, self.d_model,
                        self.vocab_size, self.seq_len, self.world_size, self.shard_group_size,
                        self.precision, self.optimizer, self.device_gb, self.activations_gb, self.unit]
@@ -82,7 +99,7 @@ class MemoryCalculator:
                                       w.VBox([self.world_size, self.shard_group_size, self.precision,
                                               self.optimizer, self.device_gb, self.activations_gb,
                                               self.unit])]),
-                              self.text, self.image])
+                              self.text, self.chart])
         self.verdict, self.rows = "", []
         self.apply(**values)
         for widget in self.inputs:
@@ -142,7 +159,7 @@ class MemoryCalculator:
                         + (f"; does not fit: {', '.join(misses)}" if fit and misses else "")
                         + f". The rule picks {choice}: {why}")
         self.text.value = self.verdict.replace("does not fit", "<b style='color:#b00'>does not fit</b>")
-        show_png(self.image, render_fit_png(self.rows, device, unit if unit in UNITS else "GB"))
+        self.chart.value = render_fit_html(self.rows, device, unit if unit in UNITS else "GB")
 
     def _ipython_display_(self):
         from IPython.display import display

@@ -7,8 +7,6 @@ bytes per rank, shown in the labelled unit.
 """
 from __future__ import annotations
 
-import io
-
 from ..memory.ledger import AT_REST, CATEGORIES
 from ..memory.sizes import in_unit
 
@@ -184,17 +182,60 @@ def draw_ledger_frame(axes, configs, k: int, unit: str = "KiB") -> None:
     axes[-1].legend(handles=handles, fontsize=6, loc="upper left", bbox_to_anchor=(1.02, 1))
 
 
-def render_ledger_png(configs, k: int, unit: str = "KiB") -> bytes:
-    """Frame ``k`` drawn as PNG bytes (the player shows these)."""
-    from matplotlib.figure import Figure  # no pyplot: drawing a PNG leaves the backend alone
+# a frame of the player, in CSS pixels: panels of the same size as the matplotlib frame's
+_PANEL_W, _PANEL_H, _LEFT, _TOP, _BOTTOM, _KEY_W = 288, 324, 58, 40, 26, 150
 
-    fig = Figure(figsize=(3.2 * len(configs) + 1.6, 3.6))
-    axes = fig.subplots(1, len(configs), squeeze=False)[0]
-    draw_ledger_frame(axes, configs, k, unit)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=90)
-    return buf.getvalue()
+
+def render_ledger_svg(configs, k: int, unit: str = "KiB") -> str:
+    """Frame ``k`` as SVG text (what the player shows): the figure ``draw_ledger_frame`` draws,
+    written directly -- a matplotlib PNG per step takes longer than a slider step may."""
+    from . import svg
+
+    everyone = [r for config in configs for r in _ranks(config)]
+    top = max([sum(f["peak"].values()) for r in everyone for f in r["frames"]]
+              + [r["theory"].peak for r in everyone])
+    axis_top = in_unit(top, unit) * 1.08 or 1.0  # one y-axis for every panel and frame
+    ticks = svg.nice_ticks(axis_top)
+    height = _PANEL_H
+    y0, y1 = _TOP, _PANEL_H - _BOTTOM  # the plot's top and bottom, pixels
+    scale = (y1 - y0) / axis_top
+    parts = []
+    for p, config in enumerate(configs):
+        ranks = _ranks(config)
+        x0 = p * _PANEL_W + _LEFT
+        x1 = (p + 1) * _PANEL_W - 10
+        slot = (x1 - x0) / len(ranks)  # one rank per slot, as xlim (-0.6, n - 0.4) spaces them
+        phase = "?"
+        for r, result in enumerate(ranks):
+            frame = result["frames"][min(k, len(result["frames"]) - 1)]
+            phase = frame["phase"]
+            centre, bottom = x0 + (r + 0.5) * slot, 0.0
+            for c in CATEGORIES:
+                h = in_unit(frame["peak"].get(c, 0), unit)
+                if h:
+                    parts.append(svg.rect(centre - 0.3 * slot, y1 - (bottom + h) * scale, 0.6 * slot, h * scale,
+                                          CATEGORY_COLORS[c], "white", width=0.5,
+                                          title=f"rank {r}: {LABELS[c]} {h:.4g} {unit}"))
+                    bottom += h
+            expected = in_unit(sum(result["theory"].phases[phase_kind(phase)].values()), unit)
+            parts.append(svg.rect(centre - 0.36 * slot, y1 - expected * scale, 0.72 * slot, expected * scale,
+                                  stroke="#000", dash="5 3", width=1.2,
+                                  title=f"rank {r}: theory {expected:.4g} {unit}"))
+            parts.append(svg.text(centre, y1 + 6, f"rank {r}", 10, "middle", baseline="hanging"))
+        for tick in ticks:
+            y = y1 - tick * scale
+            parts += [svg.line(x0 - 4, y, x0, y, "#444"), svg.text(x0 - 6, y, svg.tick_label(tick), 9, "end")]
+        parts += [svg.rect(x0, y0, x1 - x0, y1 - y0, stroke="#444", width=0.8),
+                  svg.text(p * _PANEL_W + 12, (y0 + y1) / 2, f"{unit} per rank", 10, "middle", rotate=-90),
+                  svg.text((x0 + x1) / 2, 6, ranks[0]["label"], 11, "middle", baseline="hanging"),
+                  svg.text((x0 + x1) / 2, 21, phase, 11, "middle", baseline="hanging")]
+    used = [c for c in CATEGORIES if any(f["peak"].get(c) for r in everyone for f in r["frames"])]
+    key_x, y = len(configs) * _PANEL_W + 4, y0
+    for c in used:
+        parts += [svg.rect(key_x, y - 5, 14, 10, CATEGORY_COLORS[c]), svg.text(key_x + 20, y, LABELS[c], 10)]
+        y += 16
+    parts += [svg.rect(key_x, y - 5, 14, 10, stroke="#000", dash="3 2"), svg.text(key_x + 20, y, "theory", 10)]
+    return svg.svg(len(configs) * _PANEL_W + _KEY_W, height, parts)
 
 
 class LedgerPlayer:
@@ -202,30 +243,31 @@ class LedgerPlayer:
 
     measured, theory: as for ``plot_memory``; names: which configurations (e.g. DDP and
     FULL_SHARD). The dashed outline is the theory's total for the current moment of the
-    step. Display it by leaving it as a cell's last expression.
+    step. Each frame is SVG (``render_ledger_svg``), so a step redraws in a few ms. Display
+    it by leaving it as a cell's last expression.
     """
 
     def __init__(self, measured: dict, theory: dict, names=None, unit: str = "KiB", interval_ms: int = 600):
         import ipywidgets as w
 
-        self.configs, self.unit, self._png = configs(measured, theory, names), unit, {}
+        self.configs, self.unit, self._drawn = configs(measured, theory, names), unit, {}
         steps = max(len(r["frames"]) for c in self.configs for r in _ranks(c))
         self.play = w.Play(min=0, max=steps - 1, step=1, interval=interval_ms, description="play")
         self.slider = w.IntSlider(min=0, max=steps - 1, description="step")
         w.jslink((self.play, "value"), (self.slider, "value"))
-        self.image = w.Image(format="png")
+        self.image = w.Image(format="svg+xml")  # SVG the browser draws: see render_ledger_svg
         self.widget = w.VBox([w.HBox([self.play, self.slider]), self.image])
         self.slider.observe(lambda _: self.show(), names="value")
         self.show()
 
     def show(self) -> None:
         """Draw the frame the slider points at (cached once drawn), at its natural size."""
-        from .png import show_png
+        from .svg import show_svg
 
         k = self.slider.value
-        if k not in self._png:
-            self._png[k] = render_ledger_png(self.configs, k, self.unit)
-        show_png(self.image, self._png[k])
+        if k not in self._drawn:
+            self._drawn[k] = render_ledger_svg(self.configs, k, self.unit)
+        show_svg(self.image, self._drawn[k])
 
     def _ipython_display_(self):
         from IPython.display import display

@@ -5,7 +5,9 @@ columns; a column has one stripe per rank, filled in that rank's colour when the
 already includes that rank's contribution -- a fully reduced chunk is striped in every
 colour. Arrows are the current step's transfers, labelled with the chunk they carry.
 ``RingPlayer`` steps through the frames with ipywidgets and re-runs a real traced run
-(through the callable it is given) when N or the tensor size changes.
+(through the callable it is given) when N or the tensor size changes; it shows each frame as
+SVG (``render_frame_svg``: the same drawing, written directly, since a matplotlib PNG per
+step takes longer than the 100 ms a slider step may).
 """
 from __future__ import annotations
 
@@ -40,40 +42,65 @@ def _edge_point(centre, towards, margin: float = 0.06):
     return x + t * dx, y + t * dy
 
 
+def _transfer_geometry(start, end, rad: float = -0.25):
+    """(tail, Bezier control point, head, label point) of the arrow from the block at
+    ``start`` to the block at ``end`` (data units), bending by ``rad`` as matplotlib's arc3."""
+    a, b = _edge_point(start, end), _edge_point(end, start)
+    dx, dy = b[0] - a[0], b[1] - a[1]
+    control = ((a[0] + b[0]) / 2 + rad * dy, (a[1] + b[1]) / 2 - rad * dx)
+    # the middle of the quadratic Bezier curve is half the control point's offset
+    middle = ((a[0] + b[0]) / 2 + 0.5 * rad * dy, (a[1] + b[1]) / 2 - 0.5 * rad * dx)
+    return a, control, b, middle
+
+
 def _draw_transfer(ax, start, end, what: str, color, rad: float = -0.25) -> None:
     """An arrow from the block at ``start`` to the block at ``end`` (data units) bending by
     ``rad``, labelled ``what`` at the middle of its arc."""
     from matplotlib.patches import FancyArrowPatch
 
-    a, b = _edge_point(start, end), _edge_point(end, start)
+    a, _, b, (mx, my) = _transfer_geometry(start, end, rad)
     ax.add_patch(FancyArrowPatch(a, b, connectionstyle=f"arc3,rad={rad}", arrowstyle="-|>",
                                  mutation_scale=10, lw=1.2, color=color, alpha=0.8,
                                  shrinkA=0, shrinkB=0))
-    # the middle of matplotlib's arc3 Bezier curve is half the control point's offset
-    mx = (a[0] + b[0]) / 2 + 0.5 * rad * (b[1] - a[1])
-    my = (a[1] + b[1]) / 2 - 0.5 * rad * (b[0] - a[0])
     ax.text(mx, my, what, fontsize=7, ha="center", va="center", color=color,
             bbox=dict(boxstyle="round,pad=0.1", fc="white", ec="none", alpha=0.85))
 
 
-def _rank_label(ax, trace, frame, r: int, x: float, y: float, show_values: bool) -> None:
-    """Rank ``r``'s bytes sent (and values) on the outer side of its block, where no arrow
-    runs: above a block at the top, beside one at the sides, below one at the bottom."""
+def _rank_label_place(trace, frame, r: int, x: float, y: float, show_values: bool):
+    """(x, y, text, ha, va) of rank ``r``'s bytes sent (and values), on the outer side of its
+    block, where no arrow runs: above a block at the top, beside one at the sides, below one
+    at the bottom."""
     values = []
     if show_values and frame.values is not None and trace.numel <= 8:
         values = [str(v) for v in frame.values[r].tolist()]
-    radius, color = _radius(trace.world_size), rank_color(r)
+    radius = _radius(trace.world_size)
     if abs(x) > 0.7 * radius:  # at a side: a narrow label, values four to a line
         lines = [f"rank {r}:", f"sent {frame.bytes_sent[r]} B"]
         lines += [" ".join(values[i:i + 4]) for i in range(0, len(values), 4)]
-        ax.text(x + math.copysign(_BLOCK_W / 2 + 0.06, x), y, "\n".join(lines), fontsize=6.5,
-                ha="left" if x > 0 else "right", va="center", color=color)
-        return
+        return (x + math.copysign(_BLOCK_W / 2 + 0.06, x), y, "\n".join(lines),
+                "left" if x > 0 else "right", "center")
     label = "\n".join([f"rank {r}: sent {frame.bytes_sent[r]} B"] + ([" ".join(values)] if values else []))
     if y > 0:
-        ax.text(x, y + _BLOCK_H / 2 + 0.14, label, ha="center", va="bottom", fontsize=6.5, color=color)
-    else:
-        ax.text(x, y - _BLOCK_H / 2 - 0.03, label, ha="center", va="top", fontsize=6.5, color=color)
+        return x, y + _BLOCK_H / 2 + 0.14, label, "center", "bottom"
+    return x, y - _BLOCK_H / 2 - 0.03, label, "center", "top"
+
+
+def _rank_label(ax, trace, frame, r: int, x: float, y: float, show_values: bool) -> None:
+    lx, ly, label, ha, va = _rank_label_place(trace, frame, r, x, y, show_values)
+    ax.text(lx, ly, label, ha=ha, va=va, fontsize=6.5, color=rank_color(r))
+
+
+def _limits(n: int):
+    """((x0, x1), (y0, y1)) of a frame's drawing, data units."""
+    radius = _radius(n)
+    side = 1.25 if n >= 3 else 0.6   # room for the labels beside the side blocks
+    return (-radius - side, radius + side), (-radius - 0.6, radius + 0.85)
+
+
+def _title(trace, frame) -> str:
+    total = len(trace.steps())
+    return "start: each rank holds only its own data" if frame.number == 0 else \
+        f"step {frame.number}/{total}: {frame.phase}"
 
 
 def draw_frame(ax, trace, frame, show_values: bool = True) -> None:
@@ -81,11 +108,11 @@ def draw_frame(ax, trace, frame, show_values: bool = True) -> None:
     from matplotlib.patches import Rectangle
 
     n = trace.world_size
-    pos, radius = _positions(n), _radius(n)
+    pos = _positions(n)
     cw, ch = _BLOCK_W / n, _BLOCK_H
-    side = 1.25 if n >= 3 else 0.6   # room for the labels beside the side blocks
-    ax.set_xlim(-radius - side, radius + side)
-    ax.set_ylim(-radius - 0.6, radius + 0.85)
+    xlim, ylim = _limits(n)
+    ax.set_xlim(*xlim)
+    ax.set_ylim(*ylim)
     ax.set_aspect("equal")
     ax.axis("off")
     for r, (x, y) in enumerate(pos):
@@ -103,10 +130,7 @@ def draw_frame(ax, trace, frame, show_values: bool = True) -> None:
     for t in frame.transfers:
         _draw_transfer(ax, pos[t.src], pos[t.dst], "all" if t.chunk is None else f"c{t.chunk}",
                        rank_color(t.src))
-    total = len(trace.steps())
-    title = "start: each rank holds only its own data" if frame.number == 0 else \
-        f"step {frame.number}/{total}: {frame.phase}"
-    ax.set_title(title, fontsize=8)
+    ax.set_title(_title(trace, frame), fontsize=8)
 
 
 def plot_ring_trace(trace, columns: int = 4, panel_size: float = 3.0):
@@ -144,11 +168,53 @@ def frame_figure(trace, frame, size: float = 4.2):
 
 
 def render_frame_png(trace, frame, size: float = 4.2, dpi: int = 100) -> bytes:
-    """One frame as PNG bytes (what the player shows, at this natural size)."""
+    """One frame as PNG bytes, at the player's natural size (the player itself shows SVG)."""
     fig = frame_figure(trace, frame, size)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
     return buf.getvalue()
+
+
+def render_frame_svg(trace, frame, size: float = 4.2, dpi: int = 100, show_values: bool = True) -> str:
+    """One frame as SVG text, what the player shows: ``draw_frame``'s drawing (the same
+    places, colours and words, at ``frame_figure``'s scale and ``dpi``) written directly,
+    since a matplotlib PNG per step takes longer than a slider step may."""
+    from . import svg
+
+    n = trace.world_size
+    (x0, x1), (y0, y1) = _limits(n)
+    unit = size / 3.45 * dpi  # pixels per data unit, as frame_figure sizes the figure
+    pt = dpi / 72  # pixels per point
+    head = (1 / 0.93 - 1) * (y1 - y0) * unit  # the title's band: frame_figure's axes fill 93 %
+
+    def px(x, y):
+        return (x - x0) * unit, head + (y1 - y) * unit
+
+    pos, cw, ch = _positions(n), _BLOCK_W / n, _BLOCK_H
+    parts = []
+    for r, (x, y) in enumerate(pos):
+        left, bottom = x - _BLOCK_W / 2, y - ch / 2
+        for c in range(n):
+            who = frame.holding[r][c]
+            for k in range(n):
+                sx, sy = px(left + c * cw, bottom + (k + 1) * ch / n)
+                parts.append(svg.rect(sx, sy, cw * unit, ch / n * unit, rank_color(k) if k in who else EMPTY))
+            sx, sy = px(left + c * cw, bottom + ch)
+            parts.append(svg.rect(sx, sy, cw * unit, ch * unit, stroke="#000", width=0.8 * pt))
+            tx, ty = px(left + (c + 0.5) * cw, bottom + ch + 0.02)
+            parts.append(svg.lines(tx, ty, f"c{c}", 6 * pt, "middle", "#595959", "bottom"))
+        lx, ly, label, ha, va = _rank_label_place(trace, frame, r, x, y, show_values)
+        anchor = {"left": "start", "right": "end", "center": "middle"}[ha]
+        parts.append(svg.lines(*px(lx, ly), label, 6.5 * pt, anchor, rank_color(r), va))
+    for t in frame.transfers:
+        a, control, b, middle = _transfer_geometry(pos[t.src], pos[t.dst])
+        color = rank_color(t.src)
+        parts.append(svg.arrow([px(*a), px(*control), px(*b)], color, 1.2 * pt, 0.8, 10 * pt * 0.9))
+        parts.append(svg.lines(*px(*middle), "all" if t.chunk is None else f"c{t.chunk}", 7 * pt, "middle",
+                               color, halo=True))
+    width, height = (x1 - x0) * unit, head + (y1 - y0) * unit
+    parts.append(svg.lines(width / 2, head - 6 * pt, _title(trace, frame), 8 * pt, "middle", va="bottom"))
+    return svg.svg(width, height, ['<rect width="100%" height="100%" fill="white"/>'] + parts)
 
 
 class RingPlayer:
@@ -171,7 +237,7 @@ class RingPlayer:
         w.jslink((self.play, "value"), (self.slider, "value"))
         self.world_size = w.Dropdown(options=list(world_sizes), value=world_size, description="N")
         self.numel = w.Dropdown(options=list(numels), value=numel, description="numel")
-        self.image = w.Image(format="png")
+        self.image = w.Image(format="svg+xml")  # SVG the browser draws: see render_frame_svg
         self.view = ErrorView()  # a failed re-run's report, shown under the controls
         self.status, self.errors = self.view.status, self.view.errors
         self.widget = w.VBox([w.HBox([self.play, self.slider]),
@@ -180,7 +246,7 @@ class RingPlayer:
         self.slider.observe(lambda _: self.show(), names="value")
         self.world_size.observe(lambda _: self.changed(), names="value")
         self.numel.observe(lambda _: self.changed(), names="value")
-        self.trace, self.frames, self._png = None, [], {}
+        self.trace, self.frames, self._drawn = None, [], {}
         self.rerun()  # a failure here raises in the cell that creates the player
 
     def changed(self) -> None:
@@ -197,7 +263,7 @@ class RingPlayer:
         """Record a new trace for the chosen N and size; show its first frame."""
         self.status.value = f"running a traced all-reduce on {self.world_size.value} ranks..."
         trace = self.make_trace(self.world_size.value, self.numel.value)
-        self.trace, self.frames, self._png = trace, trace.frames(), {}
+        self.trace, self.frames, self._drawn = trace, trace.frames(), {}
         self.slider.value = 0
         self.slider.max = self.play.max = len(self.frames) - 1
         self.status.value = (f"{self.trace.algorithm}: {self.trace.world_size} ranks, "
@@ -206,12 +272,12 @@ class RingPlayer:
 
     def show(self) -> None:
         """Draw the frame the slider points at, at its natural size."""
-        from .png import show_png
+        from .svg import show_svg
 
         k = min(self.slider.value, len(self.frames) - 1)
-        if k not in self._png:
-            self._png[k] = render_frame_png(self.trace, self.frames[k])
-        show_png(self.image, self._png[k])
+        if k not in self._drawn:
+            self._drawn[k] = render_frame_svg(self.trace, self.frames[k])
+        show_svg(self.image, self._drawn[k])
 
     def _ipython_display_(self):
         from IPython.display import display
