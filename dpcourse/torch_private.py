@@ -41,6 +41,8 @@ almost does).
                                                      train.runner              model; is this FSDP1
     torch.distributed._functional_collectives        exercises.observe         DTensor's collectives
     cloudpickle.cloudpickle._code_reduce             pool.wire                 a cell's file name in tracebacks
+    torch._C._distributed_c10d._dump_fr_trace_json   observe.Comm              the flight recorder's entries, on
+                                                     .read_flight_recorder     Gloo (public: none; NCCL dumps its own)
 
 Exercise E's reference solution, which the learner reads as PyTorch code, writes
 ``Variable._execution_engine.queue_callback`` itself, as DDP's own Python code would.
@@ -320,3 +322,19 @@ def sync_batchnorm_accepts_cpu():
         torch.nn.SyncBatchNorm.forward = forward
         DDP._passing_sync_batchnorm_handle = refusal
 
+
+# --- the flight recorder (4.2d's hang script) ------------------------------------------------
+
+def flight_recorder_entries() -> list[dict]:
+    """This process's flight-recorder entries, oldest first, as c10d dumps them (each with
+    ``profiling_name``, ``collective_seq_id``, ``state``, ...); empty unless
+    ``TORCH_FR_BUFFER_SIZE`` was set before the process group existed. Gloo's recorder has no
+    public reader in 2.13 (NCCL dumps its own with ``TORCH_NCCL_DUMP_ON_TIMEOUT=1``)."""
+    import json
+
+    import torch
+
+    c10d = _member(torch._C, "_distributed_c10d", "torch._C._distributed_c10d", "reading the flight recorder")
+    dump = _member(c10d, "_dump_fr_trace_json", "torch._C._distributed_c10d._dump_fr_trace_json",
+                   "reading the flight recorder")
+    return json.loads(dump()).get("entries", [])

@@ -1,8 +1,9 @@
 """4.2e's numbers, each derived a second way: the notebook's own functions (read from its
 cells) run on real ranks and are compared with one process, with the formula behind the
 number (the sampler's padding, the hooks' bytes, ZeroRedundancyOptimizer's partition), with
-a second tool (torch.profiler against the Timeline observer), and the projection of where
-data parallelism stops paying with the alpha-beta model written out in closed form."""
+a second tool (torch.profiler against the Timeline observer), DDP's collectives under
+find_unused_parameters and static_graph against the model's tensors, and the projection of
+where data parallelism stops paying with the alpha-beta model written out in closed form."""
 from __future__ import annotations
 
 import json
@@ -261,6 +262,70 @@ def test_the_profilers_memory_view_and_the_memory_observer_agree_on_the_gradient
     psi = sum(p.numel() for p in dpc.models.build_model("mlp").parameters())
     assert ns["kept"] == ns["memory"].at_rest(rank=0)["gradients"] == 4 * psi
     assert ns["memory"].at_rest(rank=0)["parameters"] == 4 * psi
+
+
+def _prose(cid: str) -> str:
+    return " ".join(CELLS[cid].split())
+
+
+def test_find_unused_parameters_all_reduces_a_map_of_the_used_tensors_every_step_static_graph_once(cluster2):
+    ns = notebook("unused-1", "unused-2", cluster=cluster2)
+    params = list(ns["Deep"]().parameters())
+    grads, used_map = 4 * sum(p.numel() for p in params), 4 * len(params)   # fp32 gradients; an int32 per tensor
+    assert (grads, used_map, len(params)) == (4 * 48 * (16 * 16 + 16), 384, 96)
+    assert "52,224 bytes (48 × (16 × 16 + 16) values of 4 bytes)" in _prose("unused-4")
+    assert "adds 384 bytes in every step: the map, 4 bytes for each of the 96 parameter tensors" in _prose("unused-4")
+    per_step = {}
+    for name, options in {"default": {}, "find_unused": {"find_unused_parameters": True},
+                          "static_graph": {"static_graph": True}}.items():
+        comm = dpc.observe.Comm()
+        cluster2.run(ns["ddp_steps"], steps=4, observe=[comm], **options)
+        per_step[name] = [(comm.calls(rank=0, step=i)["all_reduce"], comm.bytes(rank=0, step=i)["all_reduce"])
+                          for i in range(4)]
+    assert per_step["default"] == [(1, grads)] * 4
+    assert per_step["find_unused"] == [(2, grads + used_map)] * 4
+    assert per_step["static_graph"] == [(2, grads + used_map)] + [(1, grads)] * 3
+
+
+def _iterations_before_the_error(deep) -> int:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp = DDP(deep(unused_head=True))
+    for done in range(3):
+        try:
+            ddp(torch.randn(8, 16)).sum().backward()
+        except RuntimeError:
+            return done
+    return done + 1
+
+
+def test_an_unused_head_stops_the_default_at_the_next_iteration_and_trains_under_either_switch(cluster2):
+    ns = notebook("unused-1", "unused-2", cluster=cluster2)
+    head = len(list(torch.nn.Linear(16, 4).parameters()))   # what Deep(unused_head=True) adds
+    assert cluster2.run(_iterations_before_the_error, ns["Deep"]) == [1, 1]   # it fails at the second
+    with pytest.raises(dpc.RankError, match="Expected to have finished reduction in the prior iteration"):
+        cluster2.run(ns["ddp_steps"], True, 3)
+    for options in ({"find_unused_parameters": True}, {"static_graph": True}):
+        assert [r[2] for r in cluster2.run(ns["ddp_steps"], True, 3, **options)] == [head, head], options
+    assert [r[2] for r in cluster2.run(ns["ddp_steps"], False, 3, find_unused_parameters=True)] == [0, 0]
+
+
+def test_a_block_used_twice_under_reentrant_checkpointing_trains_under_static_graph_alone(cluster2):
+    ns = notebook("unused-5", cluster=cluster2)
+    for options in ({}, {"find_unused_parameters": True}):
+        with pytest.raises(dpc.RankError, match="Expected to mark a variable ready only once"):
+            cluster2.run(ns["gradient_gap"], **options)
+    assert max(cluster2.run(ns["gradient_gap"], static_graph=True)) < 1e-6
+    # the one-process reference is the model's gradient: checkpointing changes no number
+    torch.manual_seed(0)
+    model, x = ns["BlockTwice"](), torch.randn(8, 8)
+    model(x).square().mean().backward()
+    checkpointed = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    plain = model.block(model.block(model.inp(x)))
+    model.out(plain).square().mean().backward()
+    assert all(torch.allclose(a, p.grad) for a, p in zip(checkpointed, model.parameters()))
+    assert all(p.grad.abs().sum() > 0 for p in model.parameters())
 
 
 def test_the_exercises_answers():

@@ -26,7 +26,7 @@ import torch
 
 from ..collectives.cost import bus_factor
 from ..pool.tracker import TRACKER, process_group
-from ..torch_private import tensor_version
+from ..torch_private import flight_recorder_entries, tensor_version
 from .watch import LoopWatch
 
 # Where S is among a c10d op's arguments: 0, the input; 1, the output (all_gather's input is
@@ -226,6 +226,15 @@ class Comm:
     def __repr__(self) -> str:
         return f"Comm(payloads={self.payloads})" if self.per_rank is None else \
             f"Comm(observed on {len(self.per_rank)} ranks)"
+
+    @staticmethod
+    def read_flight_recorder() -> list[dict]:
+        """PyTorch's own record of this process's last collectives (its flight recorder, kept
+        when ``TORCH_FR_BUFFER_SIZE`` is set before the process group exists), oldest first:
+        one dict per collective, with ``profiling_name`` (e.g. "gloo:all_reduce"),
+        ``collective_seq_id`` and ``state`` ("scheduled", "started", "completed"). Works in
+        any process, a torchrun script included, with no observer attached."""
+        return flight_recorder_entries()
 
     # --- on the rank -----------------------------------------------------------------
     def __enter__(self):
