@@ -94,6 +94,25 @@ class NotebookPage:
             }
             return found;""")
 
+    def warning_outputs(self) -> list[str]:
+        """Python warnings shown in stderr outputs ("...: UserWarning: ..." from the kernel or a
+        rank), each with the first line of its cell. A cell that shows a warning on purpose says
+        so with the tag ``shows-warning``."""
+        return self.js("""
+            const found = [];
+            for (const c of codeCells) {
+              const tags = c.model.getMetadata('tags') || [];
+              if (tags.includes('shows-warning')) continue;
+              for (let i = 0; i < c.model.outputs.length; i++) {
+                const o = c.model.outputs.get(i).toJSON();
+                if (o.output_type !== 'stream' || o.name !== 'stderr') continue;
+                for (const line of String(o.text).split('\\n'))
+                  if (/\\b[A-Za-z]*Warning: /.test(line))
+                    found.push(`${line.trim()} (cell: ${c.model.sharedModel.getSource().split('\\n')[0]})`);
+              }
+            }
+            return found;""")
+
     def broken_widgets(self, timeout: float = 30) -> list[str]:
         """Widget outputs not rendered as widget views within ``timeout`` seconds."""
         check = f"""

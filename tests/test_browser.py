@@ -178,6 +178,9 @@ def test_notebook_runs_in_the_browser(lab, browser, name):
         errors = nb.error_outputs()
         assert not errors, f"{name}: error outputs after Run All:\n" + "\n\n".join(errors)
         assert nb.unexecuted_code_cells() == 0, f"{name}: Run All stopped before the last cell"
+        warned = nb.warning_outputs()
+        assert not warned, (f"{name}: warnings in the learner's view (silence the course's own; tag a "
+                            "cell that shows one on purpose 'shows-warning'):\n" + "\n".join(warned))
         broken = nb.broken_widgets()
         assert not broken, f"{name}: widgets that did not render: {broken}"
         missing = [m for m in MOVED.get(name, []) if m not in nb.sources()]
