@@ -20,6 +20,7 @@ import pytest
 import torch.distributed as dist
 
 import dpcourse as dpc
+from dpcourse.pool.errors import ClusterError, RankDied
 from conftest import wait_gone
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,10 +33,10 @@ def test_fork_is_linux_default_and_the_choice_is_checked(monkeypatch):
     monkeypatch.setenv("DPCOURSE_START_METHOD", "spawn")
     assert dpc.pool.cluster.choose_start_method(None) == "spawn"
     assert dpc.pool.cluster.choose_start_method("fork") == "fork"  # the argument wins
-    with pytest.raises(dpc.ClusterError, match=r"DPCOURSE_START_METHOD='forkserver': choose 'fork'"):
+    with pytest.raises(ClusterError, match=r"DPCOURSE_START_METHOD='forkserver': choose 'fork'"):
         monkeypatch.setenv("DPCOURSE_START_METHOD", "forkserver")
         dpc.pool.cluster.choose_start_method(None)
-    with pytest.raises(dpc.ClusterError, match=r"start_method='thread': choose"):
+    with pytest.raises(ClusterError, match=r"start_method='thread': choose"):
         dpc.Cluster(2, start_method="thread")
 
 
@@ -43,7 +44,7 @@ def test_where_sockets_cannot_be_passed_the_pool_says_to_use_wsl(monkeypatch):
     import socket
 
     monkeypatch.delattr(socket, "send_fds")  # what native Windows lacks
-    with pytest.raises(dpc.ClusterError, match="native Windows.*WSL"):
+    with pytest.raises(ClusterError, match="native Windows.*WSL"):
         dpc.pool.cluster.choose_start_method("spawn")
 
 
@@ -53,11 +54,16 @@ def spawned():
         yield cluster
 
 
-def _warm(cluster, timeout: float = 60.0) -> None:
+def _warm(cluster, timeout: float = 90.0) -> None:
+    """Wait until every spare generation has imported torch."""
     deadline = time.monotonic() + timeout
-    while not cluster._spare.warm():
-        assert time.monotonic() < deadline, "the spare generation never finished importing torch"
+    while not all(spare.warm() for spare in cluster._spares):
+        assert time.monotonic() < deadline, "the spare generations never finished importing torch"
         time.sleep(0.05)
+
+
+def _all_pids(cluster) -> list[int]:
+    return cluster.pids + [pid for spare in cluster._spares for pid in spare.pids]
 
 
 def test_spawned_ranks_are_fresh_interpreters(spawned):
@@ -71,18 +77,109 @@ def test_spawned_ranks_are_fresh_interpreters(spawned):
 
 def test_a_failure_restarts_on_the_spare_generation(spawned):
     _warm(spawned)
-    spare = list(spawned._spare.pids)
-    with pytest.raises(dpc.RankDied):
+    spare = list(spawned._spares[0].pids)
+    with pytest.raises(RankDied):
         spawned.run(lambda: os._exit(3) if dist.get_rank() == 1 else dist.barrier())
     assert spawned.run(lambda: os.getpid()) == spare  # the warm spare took over
-    assert spawned._spare is not None and set(spawned._spare.pids).isdisjoint(spare)  # and a new one waits
+    assert len(spawned._spares) == dpc.pool.cluster.SPARE_GENERATIONS  # and new ones wait
+    assert all(set(gen.pids).isdisjoint(spare) for gen in spawned._spares)
+
+
+def _sum_of_ranks():
+    import torch
+
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def _raise_on_rank_1():
+    if dist.get_rank() == 1:
+        raise ValueError("rank 1 fails")
+    dist.barrier()
+
+
+def test_two_failures_in_a_row_both_restart_on_spares_that_imported_torch():
+    """A rank raises, then at once a rank is killed: each restart takes a spare generation that
+    has imported torch already (the second does not wait for the first's replacement)."""
+    cluster = dpc.Cluster(2, start_method="spawn", timeout=60)
+    seen = []
+    try:
+        _warm(cluster)
+        first, second = (list(gen.pids) for gen in cluster._spares[:2])
+        seen += _all_pids(cluster)
+        start = time.monotonic()
+        with pytest.raises(dpc.RankError, match="rank 1 fails"):
+            cluster.run(_raise_on_rank_1)
+        assert cluster.run(os.getpid) == first
+        seen += _all_pids(cluster)
+        os.kill(cluster.pids[1], signal.SIGKILL)  # a rank of our own cluster, by its PID
+        try:
+            cluster.run(os.getpid)
+        except RankDied:  # the call met the dying rank; the cluster restarted
+            pass
+        assert cluster.run(os.getpid) == second  # not a generation still importing torch
+        assert cluster.run(_sum_of_ranks) == [3.0, 3.0]
+        assert time.monotonic() - start < 60  # generous: the benchmark has the real figures
+        seen += _all_pids(cluster)
+    finally:
+        cluster.shutdown()
+    assert wait_gone(seen) == [], "ranks or spares outlived the cluster"
+
+
+def _threads(pid: int) -> list[tuple[int, bool]]:
+    """(nice value, whether libtorch is mapped) of each thread of ``pid``; [] once it is gone."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            torch_in = "libtorch" in f.read()
+        out = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                out.append((int(f.read().rsplit(")", 1)[1].split()[16]), torch_in))
+        return out
+    except (FileNotFoundError, ProcessLookupError):
+        return []
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_spare_generations_import_one_at_a_time_at_low_priority():
+    """While the first spare generation imports torch (in a thread of the lowest priority), the
+    second has not begun; the ranks themselves keep the normal priority."""
+    cluster = dpc.Cluster(2, start_method="spawn", timeout=60)
+    seen = []
+    try:
+        first, second = cluster._spares[:2]
+        seen += _all_pids(cluster)
+        low_priority_import = False
+        deadline = time.monotonic() + 90
+        while True:
+            later = [t for pid in second.pids for t in _threads(pid)]
+            now = [t for pid in first.pids for t in _threads(pid)]
+            if first.warm():
+                break
+            assert not any(torch_in for _, torch_in in later), "the second spare imports alongside the first"
+            low_priority_import |= any(nice == 19 and torch_in for nice, torch_in in now)
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert low_priority_import, "the first spare did not import at low priority"
+        assert cluster.run(lambda: os.getpriority(os.PRIO_PROCESS, 0)) == [0, 0]
+        cluster.restart()  # the spare takes over: it runs at normal priority too
+        assert cluster.pids == first.pids
+        assert cluster.run(lambda: os.getpriority(os.PRIO_PROCESS, 0)) == [0, 0]
+        # and so do the threads it started while importing (numpy's BLAS workers)
+        assert [sorted({nice for nice, _ in _threads(pid)}) for pid in cluster.pids] == [[0], [0]]
+        seen += _all_pids(cluster)
+    finally:
+        cluster.shutdown()
+    assert wait_gone(seen) == [], "ranks or spares outlived the cluster"
 
 
 def test_killing_the_launcher_leaves_no_rank_and_no_spare():
     cluster = dpc.Cluster(2, start_method="spawn")
     try:
         _warm(cluster)
-        pids = cluster.pids + cluster._spare.pids
+        pids = _all_pids(cluster)
+        assert len(pids) == 2 * (1 + dpc.pool.cluster.SPARE_GENERATIONS)
         os.kill(cluster.launcher_pid, signal.SIGKILL)  # our own child, by its PID
         assert wait_gone(pids) == [], "ranks outlived their launcher"
     finally:

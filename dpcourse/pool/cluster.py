@@ -56,6 +56,10 @@ def _observers(observe) -> list:
 
 
 START_METHODS = ("fork", "spawn")
+# Spawned ranks: generations kept ready for restarts. Two, so that a second failure right after
+# a first finds one that has imported torch (an import takes seconds); each costs world_size
+# idle interpreters (~150 MiB each with torch imported).
+SPARE_GENERATIONS = 2
 
 
 def choose_start_method(start_method: str | None) -> str:
@@ -116,7 +120,7 @@ class Cluster:
         self._memory = MemoryWatch()
         self.closed = False
         self._crash_dir = tempfile.mkdtemp(prefix="dpcourse-")
-        self._spare: Generation | None = None  # spawn: the next generation, importing torch already
+        self._spares: list[Generation] = []  # spawn: the next generations, oldest (warmest) first
         self._launcher = LauncherProcess(start_timeout, self.start_method)
         self._link = RankLink(self._launcher, self._printer, self._memory, self._crash_dir)
         self._finalizer = weakref.finalize(self, _close, self._launcher, self._crash_dir)
@@ -238,10 +242,10 @@ class Cluster:
             return
         self.closed = True
         self._printer.flush()
-        for gen in (self._gen, self._spare):
+        for gen in [self._gen, *self._spares]:
             if gen is not None:
                 gen.close()
-        self._gen = self._spare = None
+        self._gen, self._spares = None, []
         self._finalizer()  # tells the launcher to kill its ranks and exit; waits for it
 
     # --- starting ranks ------------------------------------------------------------
@@ -281,10 +285,13 @@ class Cluster:
         if self.start_method == "fork":
             self._gen = self._launcher.spawn(spec, number)
             return
-        spare, self._spare = self._spare, None
-        if spare is None or not self._launcher.alive(spare):
-            if spare is not None:
+        spare = None
+        while self._spares and spare is None:  # the oldest spare is the furthest along
+            spare = self._spares.pop(0)
+            if not self._launcher.alive(spare):
                 self._launcher.kill(spare)
+                spare = None
+        if spare is None:
             spare = self._launcher.spawn(spec, number)
         self._gen = self._launcher.activate(spare, spec, number)
 
@@ -310,9 +317,10 @@ class Cluster:
             late = [f"rank {r} did not start within {self._start_timeout:g} s" for r in sorted(waiting)]
             raise ClusterError("the ranks could not be started:\n" + "\n".join(late + list(errors.values())))
         gen.ready = True
-        if self.start_method == "spawn" and self._spare is None:
-            # the next generation starts importing torch now, so a restart need not wait for it
-            self._spare = self._launcher.spawn(self._spec(0, -1), -1)
+        while self.start_method == "spawn" and len(self._spares) < SPARE_GENERATIONS:
+            # the next generations import torch now (one after the other, at low priority), so
+            # neither a restart nor the one right after it waits for an import
+            self._spares.append(self._launcher.spawn(self._spec(0, -1), -1, spare=True))
 
     def _ensure_ready(self) -> None:
         """Before a call: notice ranks that died while idle, restart them, finish a restart."""

@@ -2,7 +2,9 @@
 
 (Or spawns them: with ``start_method="spawn"`` -- the default where forking a process that
 imported torch is unsafe, macOS -- each rank is a fresh interpreter, started ahead of need
-as a *spare* that imports torch and then waits for its spec on stdin; see ``_spawn_rank``.)
+as a *spare* that imports torch and then waits for its spec; see ``_spawn_rank``. Spare
+generations import one at a time, oldest first, each at low priority: several spares
+importing at once would share the cores and all be late, and the cluster's calls come first.)
 
 Why a separate parent and not the kernel: forking the kernel is unsafe (CUDA may be
 initialised there; a used intra-op thread pool hangs the child), and spawning fresh
@@ -50,16 +52,56 @@ def _fork_rank(spec: dict, rank: int, fds: list[int], inherited: list[int], laun
 _OWN_GROUP = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": reaper.own_group}
 
 
-def _spawn_rank(rank: int, fds: list[int], launcher_pid: int):
-    """A fresh interpreter for ``rank``: it imports torch, then reads its spec from stdin."""
+# A spare's nice value while it starts and imports torch: the lowest priority there is, so the
+# scheduler runs the ranks' calls first. It is set on one thread (on Linux a nice value belongs
+# to a thread): the rank itself keeps its priority, which an unprivileged process could not
+# raise back. Elsewhere spares start at normal priority.
+LOW_PRIORITY = 19
+
+
+def _boot_code(spare: bool) -> str:
+    """What a spawned rank's interpreter runs (``python -c``): import the pool's rank module and
+    run it. A spare imports it in a thread of ``LOW_PRIORITY``, so starting spares does not
+    slow the cluster's calls."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return "\n".join([
+        "import os, sys, threading",
+        "if sys.platform.startswith('linux'):",  # die with the launcher from the first line on
+        "    import ctypes",
+        "    ctypes.CDLL(None).prctl(1, 9)",  # PR_SET_PDEATHSIG, SIGKILL (see rank.set_death_signal)
+        "    if os.getppid() != int(sys.argv[4]):",
+        "        os._exit(1)",
+        f"sys.path.insert(0, {root!r})",
+        "def load():",
+        f"    if {spare!r} and sys.platform.startswith('linux'):",
+        f"        os.setpriority(os.PRIO_PROCESS, 0, {LOW_PRIORITY})",  # 0: this thread
+        "    import dpcourse.pool.rank",
+        "thread = threading.Thread(target=load)",
+        "thread.start()",
+        "thread.join()",
+        "from dpcourse.pool.rank import spawned_main",  # raises here if the thread's import failed
+        "spawned_main()"])
+
+
+def _spawn_rank(rank: int, fds: list[int], launcher_pid: int, spare: bool):
+    """A fresh interpreter for ``rank``; returns its Popen and the launcher's end of the socket
+    on its stdin, over which it is told when to import torch and, later, its spec (see
+    ``rank.spawned_main``)."""
     import subprocess
 
     mine = fds[2 * rank: 2 * rank + 2]
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    code = f"import sys; sys.path.insert(0, {root!r}); from dpcourse.pool.rank import spawned_main; spawned_main()"
-    return subprocess.Popen([sys.executable, "-c", code, str(rank), *map(str, mine), str(launcher_pid)],
-                            pass_fds=mine, stdin=subprocess.PIPE, close_fds=True,
-                            **_OWN_GROUP)  # each rank leads a process group of its own (see reaper)
+    ours, theirs = socket.socketpair()
+    try:
+        popen = subprocess.Popen([sys.executable, "-c", _boot_code(spare), str(rank), *map(str, mine),
+                                  str(launcher_pid)],
+                                 pass_fds=mine, stdin=theirs.fileno(), close_fds=True,
+                                 **_OWN_GROUP)  # each rank leads a process group of its own (see reaper)
+    except BaseException:
+        ours.close()
+        raise
+    finally:
+        theirs.close()
+    return popen, Connection(ours.detach())
 
 
 def _peak_bytes(usage) -> int:
@@ -69,12 +111,16 @@ def _peak_bytes(usage) -> int:
     return usage.ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
 
-def _feed(pipe, data: bytes) -> None:
+def _send_spec(fd: int, data: bytes) -> None:
+    """Send a spare its spec over its own copy ``fd`` of the socket (closed here), from a
+    thread: a spare still importing reads it later."""
+    conn = Connection(fd)
     try:
-        pipe.write(data)
-        pipe.close()
+        conn.send(("spec", data))
     except (OSError, ValueError):
-        pass  # the spare died already (the kernel hears of it as an exit), or was reaped
+        pass  # the spare died already (the kernel hears of it as an exit)
+    finally:
+        conn.close()
 
 
 class Launcher:
@@ -84,6 +130,11 @@ class Launcher:
         self.conn = Connection(os.dup(sock.fileno()))
         self.children: dict[int, int] = {}  # pid -> pidfd (or -1 without pidfd support)
         self.spawned: dict[int, object] = {}  # pid -> Popen of a spawned rank (reaped here, by PID)
+        self.spares: dict[int, Connection] = {}  # pid -> socket to a spawned rank, until its spec is sent
+        self.importing: set[int] = set()  # spawned ranks that have not yet said they imported torch
+        self.told: set[int] = set()  # spawned ranks told to import (or sent their spec)
+        self.activated: set[int] = set()  # spawned ranks sent their spec
+        self.queue: list[list[int]] = []  # spawned generations, oldest first, while importing
         self.subreaper = reaper.set_subreaper()  # what the ranks leave becomes ours (Linux)
 
     def reap(self) -> list[tuple[int, int, int]]:
@@ -109,8 +160,39 @@ class Launcher:
         popen = self.spawned.pop(pid, None)
         if popen is not None:  # reaped by PID here: tell the Popen, so it never waits itself
             popen.returncode = os.waitstatus_to_exitcode(status) if status else 0
-            if popen.stdin:
-                popen.stdin.close()
+            self.told.discard(pid)
+            self.activated.discard(pid)
+            self._imported(pid)
+
+    def _imported(self, pid: int) -> None:
+        """``pid`` has imported torch, or is gone: the next generation may import."""
+        self.importing.discard(pid)
+        if pid in self.activated or pid not in self.spawned:  # its socket has no more use
+            self._drop(pid)
+        self._next_import()
+
+    def _drop(self, pid: int) -> None:
+        conn = self.spares.pop(pid, None)
+        if conn is not None:
+            conn.close()
+
+    def _next_import(self) -> None:
+        """Tell the oldest generation still importing torch to import; later ones wait for it."""
+        self.queue = [gen for gen in ([pid for pid in gen if pid in self.importing] for gen in self.queue) if gen]
+        for pid in self.queue[0] if self.queue else ():
+            if pid not in self.told:
+                self.told.add(pid)
+                try:
+                    self.spares[pid].send(("import", LOW_PRIORITY))
+                except OSError:
+                    pass  # it died: its exit is reported as it is reaped
+
+    def _read_spare(self, pid: int) -> None:
+        try:
+            self.spares[pid].recv()  # ("imported",): the only thing a spare says
+        except (EOFError, OSError):
+            pass  # it died (reported as it is reaped)
+        self._imported(pid)
 
     def kill(self, pids) -> tuple[list[tuple[int, int, int]], list]:
         """SIGKILL ranks with their process groups and reap them, then stop what they started:
@@ -162,9 +244,13 @@ class Launcher:
             spec = msg[1]
             _, fds, _, _ = socket.recv_fds(self.sock, 16, 2 * spec["world_size"])
             if self.start_method == "spawn":  # spares: they wait for "activate" and a spec
-                popens = [_spawn_rank(r, fds, os.getpid()) for r in range(spec["world_size"])]
-                pids = [p.pid for p in popens]
-                self.spawned.update(zip(pids, popens))
+                started = [_spawn_rank(r, fds, os.getpid(), msg[2]) for r in range(spec["world_size"])]
+                pids = [popen.pid for popen, _ in started]
+                self.spawned.update((popen.pid, popen) for popen, _ in started)
+                self.spares.update((popen.pid, conn) for popen, conn in started)
+                self.queue.append(pids)  # later spares wait for it to import
+                if not msg[2]:  # needed now: its spec follows, and it imports at full priority
+                    self.told.update(pids)
             else:
                 inherited = [self.sock.fileno(), self.conn.fileno()]
                 inherited += [fd for fd in self.children.values() if fd >= 0]
@@ -173,14 +259,22 @@ class Launcher:
                 os.close(fd)
             for pid in pids:
                 self.children[pid] = os.pidfd_open(pid) if hasattr(os, "pidfd_open") else -1
+            self.importing.update(pids if self.start_method == "spawn" else ())
             self.conn.send(("spawned", pids))
+            self._next_import()
         elif kind == "activate":  # spawned spares: here is your spec (a pickled dict)
             import threading
 
             for pid in msg[1]:  # written from threads: a spare still importing reads it later
-                popen = self.spawned.get(pid)
-                if popen is not None:
-                    threading.Thread(target=_feed, args=(popen.stdin, msg[2]), daemon=True).start()
+                conn = self.spares.get(pid)
+                if conn is None or pid in self.activated:
+                    continue  # gone already (the kernel hears of it as an exit)
+                self.told.add(pid)  # the spec means "import now" too
+                self.activated.add(pid)
+                threading.Thread(target=_send_spec, args=(os.dup(conn.fileno()), msg[2]),
+                                 daemon=True).start()
+                if pid not in self.importing:
+                    self._drop(pid)
         elif kind == "signal":
             for pid in msg[2]:
                 if pid in self.children:
@@ -196,7 +290,8 @@ class Launcher:
     def serve(self) -> None:
         try:
             while True:
-                watched = [self.conn] + [fd for fd in self.children.values() if fd >= 0]
+                importing = {self.spares[pid]: pid for pid in self.importing if pid in self.spares}
+                watched = [self.conn] + [fd for fd in self.children.values() if fd >= 0] + list(importing)
                 timeout = None if all(fd >= 0 for fd in self.children.values()) else 0.05
                 if self.subreaper:  # adopted processes that end are reaped within a second
                     timeout = 1.0 if timeout is None else timeout
@@ -204,6 +299,9 @@ class Launcher:
                 exited = self.reap()
                 if exited:
                     self.conn.send(("exited", exited))
+                for conn in ready:
+                    if conn in importing and importing[conn] in self.spares:
+                        self._read_spare(importing[conn])
                 if self.conn in ready and not self.handle(self.conn.recv()):
                     break
         except (EOFError, OSError):

@@ -140,12 +140,13 @@ class LauncherProcess:
         for pid, status, peak in exits:
             self.exited[pid], self.peaks[pid] = status, peak
 
-    def spawn(self, spec: dict, number: int) -> Generation:
-        """Start a generation of ranks. Forked ones start at once; spawned ones are spares (they
-        import torch, then wait) until ``activate`` sends them their spec."""
+    def spawn(self, spec: dict, number: int, spare: bool = False) -> Generation:
+        """Start a generation of ranks. Forked ones start at once; spawned ones wait for
+        ``activate`` to send them their spec. ``spare``: a spawned generation kept for a later
+        restart -- it imports torch at low priority, after every older generation has."""
         n = spec["world_size"]
         pairs = [socket.socketpair() for _ in range(2 * n)]
-        self.send(("spawn", spec))
+        self.send(("spawn", spec, spare))
         socket.send_fds(self.sock, [b"F"], [p[1].fileno() for p in pairs])
         for _, theirs in pairs:
             theirs.close()

@@ -386,21 +386,75 @@ def _user_stack(stack: str) -> str:
 
 
 def spawned_main() -> None:
-    """Entry point of a spawned rank (``start_method="spawn"``): import torch while a spare,
-    then wait for the spec on stdin (the launcher writes it when the rank is needed)."""
+    """Entry point of a spawned rank (``start_method="spawn"``). Its stdin is a socket to the
+    launcher, which sends ("import", nice) -- a spare's turn to import torch, in a thread of that
+    nice value so that the cluster's calls come first -- or ("spec", bytes) when the rank is
+    needed (it then imports at once, if it has not yet). Either way it says ("imported",) when
+    torch is in."""
     rank, task_fd, control_fd, launcher_pid = map(int, sys.argv[1:5])
     set_death_signal(launcher_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # until it runs calls (setup installs its own)
-    import cloudpickle  # noqa: F401
-    import torch  # noqa: F401
-    import torch.distributed  # noqa: F401
-
+    launcher = Connection(0)
     task = Connection(task_fd)
-    task.send(("imported", rank))  # a warm spare: a restart now takes no import
-    data = sys.stdin.buffer.read()
-    if not data:  # the launcher is gone, or the spare was never needed
+    msg = _from_launcher(launcher)
+    _import_torch(msg[1] if msg[0] == "import" else None)  # an error here shows on stderr
+    try:
+        task.send(("imported", rank))  # for the kernel: a warm spare, a restart takes no import
+        launcher.send(("imported",))   # for the launcher: the next spare may start importing
+    except OSError:
+        _exit(0)  # the kernel or the launcher is gone
+    if msg[0] == "import":
+        msg = _from_launcher(launcher)
+    launcher.close()
+    null = os.open(os.devnull, os.O_RDONLY)  # stdin reads as empty, as for a forked rank
+    if null != 0:
+        os.dup2(null, 0)
+        os.close(null)
+    main(wire.loads(msg[1]), rank, task, control_fd, launcher_pid)
+
+
+def _from_launcher(launcher: Connection):
+    try:
+        return launcher.recv()
+    except (EOFError, OSError):  # the launcher is gone, or the spare was never needed
         _exit(0)
-    main(wire.loads(data), rank, task, control_fd, launcher_pid)
+
+
+def _import_torch(nice: int | None) -> None:
+    """Import what every rank needs; with ``nice``, in a thread of that nice value (Linux: a nice
+    value belongs to one thread, so the rank keeps its own priority; elsewhere it is ignored)."""
+    def load():
+        if nice is not None and sys.platform.startswith("linux"):
+            try:
+                os.setpriority(os.PRIO_PROCESS, 0, nice)  # 0: this thread
+            except OSError:
+                pass
+        import cloudpickle  # noqa: F401
+        import torch  # noqa: F401
+        import torch.distributed  # noqa: F401
+
+    if nice is None:
+        return load()
+    # numpy first, at normal priority: OpenBLAS starts its worker threads as numpy loads, and a
+    # thread inherits its creator's nice value -- BLAS workers left at low priority stall every
+    # numpy matmul of the rank once other work competes for the cores
+    try:
+        import numpy  # noqa: F401
+    except ImportError:
+        pass
+    failed = []
+
+    def run():
+        try:
+            load()
+        except BaseException as exc:  # noqa: BLE001 -- raised again in the main thread
+            failed.append(exc)
+
+    thread = threading.Thread(target=run, name="dpcourse-import", daemon=True)
+    thread.start()
+    thread.join()
+    if failed:
+        raise failed[0]
 
 
 def main(spec: dict, rank: int, task, control_fd: int, launcher_pid: int) -> None:
