@@ -13,8 +13,11 @@ import dpcourse
 from dpcourse import models, vocab
 from dpcourse.collectives import step_bytes
 from dpcourse.collectives.alpha_beta import step_comm_seconds
-from dpcourse.memory import LedgerError, fit_table, ledger, recommend
-from dpcourse.train import ConfigError, TrainConfig, config, parse_args
+from dpcourse.memory import ledger, recommend
+from dpcourse.memory.fit import fit_table
+from dpcourse.memory.ledger import LedgerError
+from dpcourse.train import TrainConfig, config
+from dpcourse.train.config import ConfigError, parse_args
 
 PACKAGE = pathlib.Path(dpcourse.__file__).parent
 ledger_module = importlib.import_module("dpcourse.memory.ledger")  # the package exports the function
@@ -118,3 +121,42 @@ def test_every_trained_strategy_is_a_ledger_strategy_the_runner_accepts():
     for name, options in vocab.TRAIN_OPTIONS.items():
         group = {"shard_group_size": 2} if name == "HYBRID_SHARD" else {}
         TrainConfig(**options, **group).validate(world_size=4, device_type="cpu")
+
+
+def test_the_ledger_reads_what_each_strategy_shards_from_the_vocabulary(monkeypatch):
+    """The ledger keeps no strategy names of its own: a row of ``vocab.SHARDING`` decides."""
+    quoted = re.compile(r"""["'](%s)["']""" % "|".join(vocab.SHARDING))
+    files = [PACKAGE / "memory" / f"{name}.py" for name in ("ledger", "layout", "transients")]
+    named = [f"{p.name}:{m.group(1)}" for p in files for m in quoted.finditer(p.read_text())]
+    assert not named, named
+    zero2 = ledger(1000, 4, "zero2", "mixed").at_rest()
+    assert ledger(1000, 4, "zero1", "mixed").at_rest() != zero2
+    monkeypatch.setitem(vocab.SHARDING, "zero1", vocab.SHARDING["zero2"])
+    assert ledger(1000, 4, "zero1", "mixed").at_rest() == zero2
+
+
+def test_the_rooms_leave_the_shard_group_check_to_the_vocabulary(monkeypatch):
+    """The runner, the step formulas, the ledger and the fit table ask ``vocab.shard_group``;
+    none keeps a check of its own (a refusal there reaches every room)."""
+    from dpcourse.collectives.alpha_beta import LINKS
+
+    asked, check = [], vocab.shard_group
+
+    def refuse(strategy, world_size, shard_group_size, error=ValueError):
+        asked.append(strategy)
+        if shard_group_size is None:
+            return check(strategy, world_size, shard_group_size, error)
+        raise error("refused by the vocabulary")
+
+    monkeypatch.setattr(vocab, "shard_group", refuse)
+    for attempt in (lambda: TrainConfig(strategy="fully_shard", shard_group_size=2).validate(4, "cpu"),
+                    lambda: step_comm_seconds("ddp", 4, [10, 0], LINKS["nvlink4"], shard_group_size=2),
+                    lambda: step_bytes("HYBRID_SHARD", 4, [10, 0], shard_group_size=2),
+                    lambda: ledger(1000, 4, "HYBRID_SHARD", shard_group_size=2)):
+        with pytest.raises(ValueError, match="refused by the vocabulary"):
+            attempt()
+    rows = fit_table(1000, 4, 10**12, shard_group_size=2)
+    assert "HYBRID_SHARD" not in [row["strategy"] for row in rows]
+    asked.clear()
+    recommend(1000, 16, 1, shard_group_size=8)
+    assert "HYBRID_SHARD" in asked

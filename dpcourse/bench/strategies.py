@@ -54,13 +54,10 @@ def _theory(cfg: TrainConfig, world: int) -> dict | None:
     """``step_bytes`` for a row (None where units are not one per block or precision is mixed)."""
     if cfg.auto_wrap != "block" or cfg.mixed_precision != "fp32":
         return None
-    if cfg.strategy == "ddp":
-        strategy, extra = "ddp", {}
-    elif cfg.strategy == "fully_shard":
-        strategy, extra = "fully_shard", {"reshard_after_forward": cfg.reshard_after_forward}
-    else:
-        strategy = cfg.sharding_strategy
-        extra = {"shard_group_size": cfg.shard_group_size} if strategy == "HYBRID_SHARD" else {}
+    strategy = cfg.ledger_strategy()
+    extra = {"shard_group_size": cfg.shard_group_size} if cfg.shard_group_size is not None else {}
+    if strategy == "fully_shard":
+        extra["reshard_after_forward"] = cfg.reshard_after_forward
     return step_bytes(strategy, world, build_model(cfg.model, **cfg.model_sizes), **extra)
 
 

@@ -1,7 +1,7 @@
 """The alpha-beta model of a ring all-reduce, projected onto real interconnects.
 
 A ring all-reduce of n bytes over N ranks is 2(N-1) messages of n/N bytes, each costing
-alpha + (n/N)/beta (``cost.ring_all_reduce_seconds``): a straight line in n whose intercept
+alpha + (n/N)/beta (``cost.ring_seconds``): a straight line in n whose intercept
 gives alpha (seconds per message) and whose slope gives beta (bytes/s); 4.1b fits it to
 timings of ``time_all_reduce`` on its ranks.
 
@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .cost import bus_factor, step_bytes
+from .. import vocab
+from .cost import bus_factor, ring_seconds, step_bytes
 
 
 def time_all_reduce(sizes_bytes, repeats: int = 20) -> dict:
@@ -77,8 +78,6 @@ H100_BF16_FLOPS = 989e12
 # Parameters and blocks (FSDP units), rounded sizes with the depths of Llama 3.2 1B, Llama 2 7B, 70B.
 REFERENCE_MODELS = {"1B": (1e9, 16), "7B": (7e9, 32), "70B": (70e9, 80)}
 DDP_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb=25: one all-reduce per bucket
-_RING_STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1,
-               "reduce_scatter": lambda n: n - 1}
 
 
 def across_nodes(intra: Link, inter: Link, nodes: int, per_node: int) -> Link:
@@ -89,15 +88,6 @@ def across_nodes(intra: Link, inter: Link, nodes: int, per_node: int) -> Link:
     alpha = ((n - nodes) * intra.alpha + (nodes - 1) * inter.alpha) / (n - 1)
     return Link(f"{inter.name} across {nodes} nodes x {per_node} ({intra.name} inside)", alpha, inter.beta,
                 f"alpha: {n - nodes} of {n - 1} hops at {intra.name}'s, {nodes - 1} at {inter.name}'s")
-
-
-def collective_seconds(collective: str, nbytes: float, world_size: int, link: Link, calls: int = 1) -> float:
-    """Seconds of ``calls`` ring collectives that together move S = ``nbytes`` over
-    ``world_size`` ranks: calls x steps x alpha + bus_factor x S / beta."""
-    if world_size < 2:
-        return 0.0
-    latency = calls * _RING_STEPS[collective](world_size) * link.alpha
-    return latency + bus_factor(collective, world_size) * nbytes / link.beta
 
 
 def step_comm_seconds(strategy: str, world_size: int, units, link: Link, *, shard_group_size: int | None = None,
@@ -118,7 +108,7 @@ def step_comm_seconds(strategy: str, world_size: int, units, link: Link, *, shar
         raise ValueError("HYBRID_SHARD needs inter_link, the link between the shard groups (nodes)")
     phases = step_bytes(strategy, n, numels, shard_group_size=shard_group_size, param_bytes=param_bytes,
                         reduce_bytes=reduce_bytes, by_phase=True)
-    group = shard_group_size or n
+    group = vocab.shard_group(strategy, n, shard_group_size)
     blocks = sum(1 for u in numels[:-1] if u) + (1 if numels[-1] else 0)
     calls = {("forward", "all_gather"): blocks, ("backward", "all_gather"): blocks - (1 if numels[-1] else 0),
              ("backward", "reduce_scatter"): blocks,
@@ -131,8 +121,9 @@ def step_comm_seconds(strategy: str, world_size: int, units, link: Link, *, shar
             ranks, on = (n // group, inter_link) if across else (group if strategy != "ddp" else n, link)
             if strategy in ("ddp", "NO_SHARD"):
                 ranks = n
-            latency = calls[phase, collective] * _RING_STEPS[collective](ranks) * on.alpha
-            out[phase][collective] = latency + sent / on.beta
+            factor = bus_factor(collective, ranks)  # step_bytes sends factor x S per rank
+            out[phase][collective] = ring_seconds(collective, sent / factor if factor else 0.0, ranks,
+                                                  on.alpha, on.beta, calls[phase, collective])
     return out
 
 

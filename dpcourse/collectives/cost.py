@@ -77,11 +77,22 @@ def num_steps(algorithm: str, world_size: int) -> int:
             "naive_all_reduce": 2 if n > 1 else 0}[algorithm]
 
 
+def ring_seconds(collective: str, nbytes: float, world_size: int, alpha: float, beta: float,
+                 calls: int = 1) -> float:
+    """alpha-beta time (seconds) of ``calls`` ring ``collective``s ("all_reduce", "all_gather",
+    "reduce_scatter") that together move S = ``nbytes`` over ``world_size`` ranks: each call
+    takes ``num_steps`` messages of alpha seconds, and each rank sends bus_factor x S bytes at
+    beta bytes/s: calls x steps x alpha + bus_factor x S / beta (0 on one rank)."""
+    if world_size < 2:
+        return 0.0
+    return (calls * num_steps("ring_" + collective, world_size) * alpha
+            + bus_factor(collective, world_size) * nbytes / beta)
+
+
 def ring_all_reduce_seconds(nbytes: float, world_size: int, alpha: float, beta: float) -> float:
-    """alpha-beta time of a ring all-reduce of ``nbytes``: 2(N-1) messages of nbytes/N,
-    2(N-1)*alpha + 2(N-1)/N * nbytes / beta (alpha: seconds, beta: bytes/s)."""
-    n = world_size
-    return 2 * (n - 1) * alpha + 2 * (n - 1) / n * nbytes / beta if n > 1 else 0.0
+    """alpha-beta time of one ring all-reduce of ``nbytes``: 2(N-1) messages of nbytes/N,
+    2(N-1)*alpha + 2(N-1)/N * nbytes / beta (alpha: seconds, beta: bytes/s); ``ring_seconds``."""
+    return ring_seconds("all_reduce", nbytes, world_size, alpha, beta)
 
 
 def ring_all_reduce_busbw(nbytes: float, world_size: int, alpha: float, beta: float) -> float:

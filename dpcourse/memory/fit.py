@@ -4,6 +4,7 @@ Pure arithmetic on ``ledger``: bytes per rank, compared with the device's bytes.
 """
 from __future__ import annotations
 
+from .. import vocab
 from .layout import transformer_num_params
 from .ledger import ledger
 
@@ -20,15 +21,29 @@ def fit_table(num_params: int, world_size: int, device_bytes: int, precision: st
     HYBRID_SHARD is listed only with a ``shard_group_size`` that divides ``world_size``.
     """
     rows = []
+    hybrid = _hybrid_group(world_size, shard_group_size)
     for strategy in strategies:
-        group = shard_group_size if strategy == "HYBRID_SHARD" else None
-        if strategy == "HYBRID_SHARD" and (not group or world_size % group or group == world_size):
+        needs_group = vocab.SHARDING[strategy].group == "shard_group_size"
+        if needs_group and hybrid is None:
             continue
-        book = ledger(num_params, world_size, strategy, precision, optimizer, shard_group_size=group,
+        book = ledger(num_params, world_size, strategy, precision, optimizer,
+                      shard_group_size=hybrid if needs_group else None,
                       activation_bytes=activation_bytes, units=units)
         rows.append({"strategy": strategy, "ledger": book, "at_rest": book.total, "peak": book.peak,
                      "fits": book.peak <= device_bytes})
     return rows
+
+
+def _hybrid_group(world_size: int, shard_group_size: int | None) -> int | None:
+    """``shard_group_size`` if HYBRID_SHARD can use it here -- ``vocab.shard_group`` accepts it
+    and it leaves more than one replica -- else None."""
+    if shard_group_size is None:
+        return None
+    try:
+        group = vocab.shard_group("HYBRID_SHARD", world_size, shard_group_size)
+    except ValueError:
+        return None
+    return group if group < world_size else None
 
 
 def equal_units(num_params: int, count: int) -> list[int]:
@@ -69,7 +84,7 @@ def recommend(num_params: int, world_size: int, device_bytes: int, shard_group_s
         return ledger(num_params, world_size, strategy, precision, optimizer, shard_group_size=group,
                       activation_bytes=activation_bytes, units=units).peak
 
-    multi_node = world_size > shard_group_size and world_size % shard_group_size == 0
+    multi_node = _hybrid_group(world_size, shard_group_size) is not None
     if peak("ddp") <= device_bytes:
         return "ddp", "a full replica with its gradients, optimizer state and activations fits"
     if not multi_node and peak("SHARD_GRAD_OP") <= device_bytes:

@@ -68,24 +68,38 @@ def unsharded_numel(unit, group: int, per_param: bool) -> int:
     return math.ceil(numel(unit) / group) * group
 
 
-def optimizer_tensors(strategy: str, units, known: bool) -> int:
-    """How many tensors the optimizer steps on one rank (each gets a step counter)."""
-    if not known or strategy.startswith("zero"):
+def sharded_numel(storage: str, units, group: int, rank: int | None = None) -> int:
+    """Elements of one sharded model state on a rank, by ``vocab.Sharding.storage``.
+
+    "partition" (ZeRO): a 1/group slice of one flattened buffer; "flat_parameter" (FSDP1):
+    each unit's FlatParameter padded to a multiple of the group; "tensors" (FSDP2): each
+    parameter chunked on dim 0, padded (rank=None) or this rank's real chunks.
+    """
+    if storage == "partition":
+        return math.ceil(sum(numel(u) for u in units) / group)
+    if storage == "tensors":
+        return per_parameter_shard(units, group, rank)
+    return sum(math.ceil(numel(u) / group) for u in units)
+
+
+def optimizer_tensors(storage: str, units, known: bool) -> int:
+    """How many tensors the optimizer steps on one rank (each gets a step counter), by
+    ``vocab.Sharding.storage``; 0 for ZeRO's partition, whose fused optimizer keeps one."""
+    if not known or storage == "partition":
         return 0
-    if strategy in ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD"):
+    if storage == "flat_parameter":
         return len(units)  # one FlatParameter per unit
     return sum(len(u) for u in units)
 
 
-def local_tensors(strategy: str, units, group: int, rank: int, per_param: bool) -> list[int]:
-    """Elements of each tensor the optimizer updates on this rank."""
-    if strategy.startswith("zero"):
+def local_tensors(storage: str, units, group: int, rank: int) -> list[int]:
+    """Elements of each tensor the optimizer updates on this rank (``vocab.Sharding.storage``;
+    group 1 for an unsharded replica)."""
+    if storage == "partition":
         return [math.ceil(sum(numel(u) for u in units) / group)]
-    if strategy in ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD"):
+    if storage == "flat_parameter":
         return [math.ceil(numel(u) / group) for u in units]
-    if per_param:
-        return [_chunk_rows(s[0], group, rank) * math.prod(s[1:]) for u in units for s in u]
-    return [math.prod(s) for u in units for s in u]
+    return [_chunk_rows(s[0], group, rank) * math.prod(s[1:]) for u in units for s in u]
 
 
 def transformer_num_params(n_layers: int, d_model: int, vocab_size: int, seq_len: int = 0,

@@ -23,46 +23,48 @@ from __future__ import annotations
 
 from . import layout
 
-FSDP1 = ("SHARD_GRAD_OP", "FULL_SHARD", "HYBRID_SHARD")
 
-
-def unsharded_bytes(strategy: str, units, group: int, compute_bytes: int, *,
+def unsharded_bytes(spec, units, group: int, compute_bytes: int, *,
                     reshard_after_forward: bool = True) -> dict:
     """Bytes of gathered parameters (forward, backward) and unsharded gradients on one rank.
 
-    units: lists of parameter shapes, the root unit last (``layout.unit_shapes``).
-    compute_bytes: bytes per element of the gathered parameters and gradients.
+    spec: the strategy's ``vocab.Sharding``. units: lists of parameter shapes, the root unit
+    last (``layout.unit_shapes``). compute_bytes: bytes per element of the gathered
+    parameters and gradients. reshard_after_forward: FSDP2's option (FSDP1's strategy fixes it).
     """
     out = {"forward": 0, "backward": 0, "gradients": 0}
-    per_param = strategy == "fully_shard"
-    if strategy not in FSDP1 + ("fully_shard", "zero3"):
+    if "parameters" not in spec.shards:
+        if spec.storage == "partition" and "gradients" in spec.shards:
+            # ZeRO-2: one bucket of full gradients before its reduce-scatter.
+            out["gradients"] = compute_bytes * max(layout.numel(u) for u in units)
         return out
+    per_param = spec.storage == "tensors"
     sizes = [compute_bytes * layout.unsharded_numel(u, group, per_param) for u in units]
     root, others = (sizes[-1], sizes[:-1]) if len(sizes) > 1 else (0, sizes)
     largest = sorted(others, reverse=True) + [0]
-    if strategy == "zero3":  # the ZeRO paper's view: one layer's parameters and gradients
+    if not spec.units:  # ZeRO-3, the paper's view: one layer's parameters and gradients
         return {"forward": largest[0], "backward": largest[0], "gradients": largest[0]}
-    keep = strategy == "SHARD_GRAD_OP" or (per_param and not reshard_after_forward)
+    reshard = reshard_after_forward if spec.reshard_after_forward is None else spec.reshard_after_forward
     if per_param:
-        out["forward"] = sum(sizes) + largest[0] if keep else root + 3 * largest[0]
+        out["forward"] = sum(sizes) + largest[0] if not reshard else root + 3 * largest[0]
         out["gradients"] = root + 2 * largest[0]
     else:
-        out["forward"] = sum(sizes) if keep else root + largest[0]
+        out["forward"] = sum(sizes) if not reshard else root + largest[0]
         out["gradients"] = 2 * largest[0]
-    out["backward"] = sum(sizes) if keep else root + largest[0] + largest[1]
+    out["backward"] = sum(sizes) if not reshard else root + largest[0] + largest[1]
     return out
 
 
-def optimizer_temporaries(strategy: str, optimizer: str, units, group: int, rank: int,
+def optimizer_temporaries(spec, optimizer: str, units, group: int, rank: int,
                           foreach: bool = False) -> int:
     """Bytes the optimizer step allocates and frees again on one rank (fp32 state).
 
     SGD, with or without momentum, updates in place. Adam/AdamW per tensor: see the module
     docstring; with ``foreach`` (CUDA's default) one sqrt of every local tensor at once.
     """
-    if optimizer not in ("adam", "adamw") or strategy.startswith("zero"):
+    if optimizer not in ("adam", "adamw") or spec.storage == "partition":
         return 0  # ZeRO's own (fused) optimizer updates its partition in place
-    local = layout.local_tensors(strategy, units, group, rank, strategy == "fully_shard")
+    local = layout.local_tensors(spec.storage, units, group, rank)
     if foreach:
         return 4 * sum(local)
     pairs = [2 * n + (local[i - 1] if i else 0) for i, n in enumerate(local)]

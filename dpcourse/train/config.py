@@ -54,13 +54,8 @@ class TrainConfig:
         if per_rank < self.batch_size:
             raise ConfigError(f"num_samples={self.num_samples} gives each of {world_size} ranks "
                               f"{per_rank} samples, fewer than batch_size={self.batch_size}")
-        if self.strategy == "fsdp" and self.sharding_strategy == "HYBRID_SHARD" or (
-                self.strategy == "fully_shard" and self.shard_group_size is not None):
+        if self.shard_group_size is not None or self.ledger_strategy() == "HYBRID_SHARD":
             self.hybrid_mesh_shape(world_size)
-        elif self.shard_group_size is not None:
-            raise ConfigError(f"shard_group_size applies to strategy='fsdp' with HYBRID_SHARD and to "
-                              f"strategy='fully_shard' (a 2-D mesh), not to {self.strategy!r} with "
-                              f"{self.sharding_strategy}; drop it or choose one of those")
         if self.reduce_dtype is not None:
             vocab.check_name("reduce_dtype", self.reduce_dtype, vocab.MIXED_PRECISION, ConfigError)
             if self.strategy == "ddp" or self.mixed_precision == "fp32":
@@ -88,10 +83,14 @@ class TrainConfig:
             raise ConfigError(f"resume={self.resume!r} needs checkpoint_dir (the folder a run saved to), "
                               "or pass resume=<path of a checkpoint>")
 
+    def ledger_strategy(self) -> str:
+        """This run's name in ``vocab.SHARDING``: FSDP1 by its sharding_strategy, else the wrapper's."""
+        return self.sharding_strategy if self.strategy == "fsdp" else self.strategy
+
     def hybrid_mesh_shape(self, world_size: int) -> tuple[int, int]:
-        """(replicate, shard) sizes of HYBRID_SHARD's 2-D mesh."""
-        name = "HYBRID_SHARD" if self.strategy == "fsdp" else self.strategy
-        shard = vocab.shard_group(name, world_size, self.shard_group_size, ConfigError)
+        """(replicate, shard) sizes of HYBRID_SHARD's 2-D mesh; ``vocab.shard_group`` checks
+        shard_group_size (it applies to HYBRID_SHARD and to fully_shard on a 2-D mesh only)."""
+        shard = vocab.shard_group(self.ledger_strategy(), world_size, self.shard_group_size, ConfigError)
         if shard == world_size:
             raise ConfigError(
                 f"shard_group_size={shard} equals world_size: HYBRID_SHARD would silently be "
