@@ -85,3 +85,68 @@ def test_leaf_rooms_import_no_other_room():
     assert not graph["torch_private"], "the one home of PyTorch's private names imports no room"
     assert "collectives" not in graph or graph["collectives"] <= {"pool", "backends", "vocab", "models"}
     assert graph["observe"] <= {"pool", "collectives", "memory", "vocab", "models", "backends", "torch_private"}
+
+
+# --------------------------------------------------------------- short functions, no copies
+MAX_FUNCTION_LINES = 60
+# The scripts a learner reads whole (each one stands alone, so they repeat each other on purpose).
+TEACHING = ("scripts/", "exercises/starters/", "exercises/solutions/")
+# Functions over the limit in modules being rewritten as a whole; each is split there, then
+# taken off this list (the test fails on an entry that is no longer too long).
+WAITING_FOR_A_SPLIT = {"memory/ledger.py::ledger", "bench/pool.py::main"}
+
+
+def package_sources() -> dict[str, str]:
+    """relative path -> source, for every module of dpcourse/ outside the teaching scripts."""
+    paths = sorted(PACKAGE.rglob("*.py"))
+    rels = {p.relative_to(PACKAGE).as_posix(): p for p in paths}
+    return {rel: p.read_text() for rel, p in rels.items() if not rel.startswith(TEACHING)}
+
+
+def long_functions(source: str, limit: int = MAX_FUNCTION_LINES) -> dict[str, int]:
+    """name -> lines (``end_lineno - lineno + 1``) of every function longer than ``limit``;
+    a nested function counts in its own right, and inside the one around it."""
+    return {node.name: node.end_lineno - node.lineno + 1 for node in ast.walk(ast.parse(source))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > limit}
+
+
+def repeated_windows(sources: dict[str, str], size: int = 6) -> list[list[tuple[str, int]]]:
+    """Places (path, first line) where the same ``size`` lines of code stand more than once,
+    white space folded; blank lines, comments, imports and lone brackets are passed over."""
+    places = defaultdict(list)
+    for rel, source in sources.items():
+        lines = [(n, " ".join(line.split())) for n, line in enumerate(source.splitlines(), 1)]
+        code = [(n, t) for n, t in lines
+                if len(t) > 2 and not t.startswith(("#", "import ", "from "))]
+        for i in range(len(code) - size + 1):
+            places[tuple(t for _, t in code[i:i + size])].append((rel, code[i][0]))
+    return [where for where in places.values() if len(where) > 1]
+
+
+def test_no_function_is_over_60_lines():
+    too_long, waiting = [], set()
+    for rel, source in package_sources().items():
+        for name, lines in long_functions(source).items():
+            key = f"{rel}::{name}"
+            if key in WAITING_FOR_A_SPLIT:
+                waiting.add(key)
+            else:
+                too_long.append(f"{key} ({lines} lines)")
+    assert not too_long, f"functions over {MAX_FUNCTION_LINES} lines: split them into named steps: {too_long}"
+    assert waiting == WAITING_FOR_A_SPLIT, f"split now, take off the list: {WAITING_FOR_A_SPLIT - waiting}"
+
+
+def test_no_six_lines_stand_twice_in_the_package():
+    repeated = repeated_windows(package_sources())
+    assert not repeated, f"the same six lines stand in several places, make them one function: {repeated[:5]}"
+
+
+def test_the_scans_find_what_they_look_for():
+    nested = "def outer():\n    def inner():\n" + "        x = 1\n" * 61 + "    return inner\n"
+    assert long_functions(nested) == {"outer": 64, "inner": 62}
+    assert long_functions(nested, limit=62) == {"outer": 64}
+    body = "".join(f"    total += step({i})\n" for i in range(6))
+    copied = {"a.py": f"def f():\n{body}", "b.py": f"import os\n\ndef g():\n    # why\n{body}"}
+    assert repeated_windows(copied) == [[("a.py", 2), ("b.py", 5)]]
+    assert repeated_windows({"a.py": copied["a.py"]}) == []

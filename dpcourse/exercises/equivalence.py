@@ -14,7 +14,8 @@ import torch
 
 from .. import models
 from .report import Report
-from .script_check import MODEL, VAL_LOSS, VAL_SEED, WORLD_SIZE, Setting, SingleRun, few
+from .script_check import (MODEL, VAL_LOSS, VAL_SEED, WORLD_SIZE, Setting, SingleRun, few, judge_leaving,
+                           judge_logging_and_saving)
 
 
 def judge_synchronisation(report: Report, logs: list[dict], setting: Setting, what: str) -> None:
@@ -234,3 +235,17 @@ def judge_weights(report: Report, weights, single: SingleRun, setting: Setting, 
     ok = apart <= setting.weight_tolerance
     report.add(name, ok, f"{100 * apart:.3g} % of the distance one process's weights travelled"
                + ("" if ok else f", more than the {100 * setting.weight_tolerance:.2g} % rounding explains -- {idea}"))
+
+
+def judge_the_outcome(report: Report, run, logs: list[dict], single: SingleRun, setting: Setting, finished: bool,
+                      judge_checkpoint, idea: str) -> None:
+    """The items a training script's check ends with, in this order: learning rate, validation
+    loss, logging and saving, the checkpoint (``judge_checkpoint(report, logs)``: its weights, judged
+    once every rank finished), the final weights against one process's (``idea``: what to look at
+    when they differ), and leaving the process group."""
+    judge_learning_rate(report, logs, single)
+    judge_validation(report, run, logs, single, setting, rank0_weights(logs) if finished else None)
+    judge_logging_and_saving(report, run, logs, finished)
+    weights = judge_checkpoint(report, logs) if finished else None
+    judge_weights(report, weights, single, setting, idea)
+    judge_leaving(report, logs, finished)

@@ -42,13 +42,9 @@ def _judge(report: Report, run, single: sc.SingleRun, setting: sc.Setting, timeo
     sc.judge_sampling(report, logs, finished, int(setting.arg("--num-samples")))
     eq.judge_synchronisation(report, logs, setting, "DDP")
     eq.judge_gradient(report, logs, single, setting)
-    eq.judge_learning_rate(report, logs, single)
-    eq.judge_validation(report, run, logs, single, setting, eq.rank0_weights(logs) if finished else None)
-    sc.judge_logging_and_saving(report, run, logs, finished)
-    weights = _judge_checkpoint(report, logs) if finished else None
-    eq.judge_weights(report, weights, single, setting, "are gradients averaged (not summed)? is the learning "
-                     "rate unchanged? do all ranks start from the same weights?")
-    sc.judge_leaving(report, logs, finished)
+    eq.judge_the_outcome(report, run, logs, single, setting, finished, _judge_checkpoint,
+                         "are gradients averaged (not summed)? is the learning "
+                         "rate unchanged? do all ranks start from the same weights?")
 
 
 def _judge_checkpoint(report: Report, logs: list[dict]):

@@ -59,13 +59,9 @@ def _judge(report: Report, run, single: sc.SingleRun, setting: sc.Setting, timeo
     eq.judge_synchronisation(report, logs, setting, "FSDP")
     eq.judge_gradient(report, logs, single, setting)
     report.add(ITEMS["clip"], *_judge_clip(logs))
-    eq.judge_learning_rate(report, logs, single)
-    eq.judge_validation(report, run, logs, single, setting, eq.rank0_weights(logs) if finished else None)
-    sc.judge_logging_and_saving(report, run, logs, finished)
-    weights = _judge_checkpoint(report, logs) if finished else None
-    eq.judge_weights(report, weights, single, setting, "do all ranks build the same initial weights before "
-                     "sharding (fully_shard does not broadcast)? the same learning rate and --max-norm?")
-    sc.judge_leaving(report, logs, finished)
+    eq.judge_the_outcome(report, run, logs, single, setting, finished, _judge_checkpoint,
+                         "do all ranks build the same initial weights before "
+                         "sharding (fully_shard does not broadcast)? the same learning rate and --max-norm?")
 
 
 def _judge_shards(logs) -> tuple[bool | None, str]:

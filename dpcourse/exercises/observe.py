@@ -46,24 +46,46 @@ import weakref
 
 
 def install(directory: str, rank: int) -> None:
-    import torch
-    import torch.distributed as dist
+    """Patch this process so that every event above appends its line to ``<directory>/rank<rank>.log``."""
+    recorder = _Recorder(directory, rank)
+    recorder.note(f"pid {os.getpid()}")
+    _observe_reads(recorder)
+    _observe_passes(recorder)
+    _observe_steps(recorder)
+    _observe_collectives(recorder)
+    _observe_saves_and_destroy(recorder)
+    _observe_backward(recorder, _observe_optimizers())
+    _observe_functional_collectives(recorder.issue, recorder.note)
+
+
+class _Recorder:
+    """One rank's log (line-buffered) and the counters the observed functions share."""
+
+    def __init__(self, directory: str, rank: int):
+        self.log = open(os.path.join(directory, f"rank{rank}.log"), "a", buffering=1)
+        self.lock = threading.Lock()
+        self.state = {"passes": 0, "current": 0, "steps": 0, "shards": False, "comms": 0, "backwards": 0}
+
+    def note(self, line: str) -> None:
+        with self.lock:
+            self.log.write(line + "\n")
+
+    def issue(self, what: str, kind: str) -> int:
+        """Number a collective as it is issued and note it; returns its number."""
+        with self.lock:
+            self.state["comms"] += 1
+            number = self.state["comms"]
+        self.note(f"comm {self.state['steps']} {what} {number} {kind}")
+        return number
+
+
+def _observe_reads(recorder: _Recorder) -> None:
+    """``read P I``: the course's dataset notes every sample index read."""
     import torch.utils.data as data
-    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
     from .. import models
-    from ..observe.comm import first_tensor
-    from ..pool.tracker import TRACKER, when_complete
 
-    log = open(os.path.join(directory, f"rank{rank}.log"), "a", buffering=1)
-    lock = threading.Lock()
-    state = {"passes": 0, "current": 0, "steps": 0, "shards": False, "comms": 0, "backwards": 0}
-
-    def note(line: str) -> None:
-        with lock:
-            log.write(line + "\n")
-
-    note(f"pid {os.getpid()}")
+    state, note = recorder.state, recorder.note
 
     class ObservedDataset(data.TensorDataset):
         def __getitem__(self, index):
@@ -79,6 +101,12 @@ def install(directory: str, rank: int) -> None:
 
     models.make_dataset = observed_make_dataset
 
+
+def _observe_passes(recorder: _Recorder) -> None:
+    """``pass P``: each DataLoader pass is numbered, and is current while it hands out batches."""
+    import torch.utils.data as data
+
+    state = recorder.state
     loader_iter = data.DataLoader.__iter__
 
     class ObservedPass:
@@ -99,10 +127,17 @@ def install(directory: str, rank: int) -> None:
 
     def observed_iter(self):
         state["passes"] += 1
-        note(f"pass {state['passes']}")
+        recorder.note(f"pass {state['passes']}")
         return ObservedPass(loader_iter(self), state["passes"])
 
     data.DataLoader.__iter__ = observed_iter
+
+
+def _observe_steps(recorder: _Recorder) -> None:
+    """``grads``, ``lr`` and (once) ``shards`` before each optimizer step, ``step`` after it."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    state, note = recorder.state, recorder.note
 
     def before_step(optimizer, _args, _kwargs):
         params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -122,6 +157,14 @@ def install(directory: str, rank: int) -> None:
     register_optimizer_step_pre_hook(before_step)
     register_optimizer_step_post_hook(after_step)
 
+
+def _observe_collectives(recorder: _Recorder) -> None:
+    """``comm ... c10d`` and ``done``: listen to the collective tracker once the process group is up."""
+    import torch.distributed as dist
+
+    from ..observe.comm import first_tensor
+    from ..pool.tracker import TRACKER, when_complete
+
     def collective(issued) -> None:
         if issued.collective in ("send", "recv"):
             return
@@ -130,15 +173,8 @@ def install(directory: str, rank: int) -> None:
         group = next((g for g in map(_process_group, issued.args) if g is not None), None)
         size = group.size() if group is not None else dist.get_world_size()
         dtype = str(tensor.dtype).replace("torch.", "") if tensor is not None else "-"
-        number = issue(f"{issued.collective} {dtype} {nbytes} {size}", "c10d")
-        when_complete(issued.work, lambda _future: note(f"done {number}"))
-
-    def issue(what: str, kind: str) -> int:
-        with lock:
-            state["comms"] += 1
-            number = state["comms"]
-        note(f"comm {state['steps']} {what} {number} {kind}")
-        return number
+        number = recorder.issue(f"{issued.collective} {dtype} {nbytes} {size}", "c10d")
+        when_complete(issued.work, lambda _future: recorder.note(f"done {number}"))
 
     init = dist.init_process_group
 
@@ -147,18 +183,24 @@ def install(directory: str, rank: int) -> None:
         result = init(*args, **kwargs)
         # listen from now on, for the life of this process (which the checker ends): registered
         # any earlier, the tracker's kernels would be replaced when torch.distributed sets up
-        state["listening"] = TRACKER.listen(collective)  # kept: a collected one would stop listening
-        state["listening"].__enter__()
+        recorder.state["listening"] = TRACKER.listen(collective)  # kept: a collected one would stop listening
+        recorder.state["listening"].__enter__()
         return result
 
     dist.init_process_group = observed_init
     dist.distributed_c10d.init_process_group = observed_init
 
+
+def _observe_saves_and_destroy(recorder: _Recorder) -> None:
+    """``save PATH`` for every ``torch.save``; ``destroy`` once ``destroy_process_group`` returns."""
+    import torch
+    import torch.distributed as dist
+
     save = torch.save
 
     @functools.wraps(save)
     def observed_save(obj, f, *args, **kwargs):
-        note(f"save {os.path.abspath(os.fspath(f)) if isinstance(f, (str, os.PathLike)) else '<file object>'}")
+        recorder.note(f"save {os.path.abspath(os.fspath(f)) if isinstance(f, (str, os.PathLike)) else '<file object>'}")
         return save(obj, f, *args, **kwargs)
 
     torch.save = observed_save
@@ -168,11 +210,16 @@ def install(directory: str, rank: int) -> None:
     @functools.wraps(destroy)
     def observed_destroy(*args, **kwargs):
         result = destroy(*args, **kwargs)
-        note("destroy")  # once it has returned: this rank's distributed work is over
+        recorder.note("destroy")  # once it has returned: this rank's distributed work is over
         return result
 
     dist.destroy_process_group = observed_destroy
     dist.distributed_c10d.destroy_process_group = observed_destroy
+
+
+def _observe_optimizers() -> weakref.WeakSet:
+    """Every optimizer built from now on (held weakly), to read all their parameters' gradients."""
+    import torch
 
     optimizers = weakref.WeakSet()
     optimizer_init = torch.optim.Optimizer.__init__
@@ -183,7 +230,14 @@ def install(directory: str, rank: int) -> None:
         optimizers.add(self)
 
     torch.optim.Optimizer.__init__ = observed_optimizer_init
+    return optimizers
 
+
+def _observe_backward(recorder: _Recorder, optimizers: weakref.WeakSet) -> None:
+    """``backward S N`` as a backward pass starts, ``backward_end N2`` as it returns."""
+    import torch
+
+    state, note = recorder.state, recorder.note
     backward = torch.autograd.backward  # Tensor.backward calls it too
 
     @functools.wraps(backward)
@@ -197,7 +251,6 @@ def install(directory: str, rank: int) -> None:
             note(f"backward_end {_squares(params)!r}")
 
     torch.autograd.backward = observed_backward
-    _observe_functional_collectives(issue, note)
 
 
 # DTensor's own collectives (a full_tensor(), the norm of sharded gradients, the gathers of a

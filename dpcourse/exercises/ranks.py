@@ -95,6 +95,14 @@ class RankFailure:
                     "to it, the same number of times?")
         return self.summary
 
+    def fail(self, report, runs: str, timeout: float, later, why: str = "judged once it runs"):
+        """Add to ``report`` the item ``runs`` failed as this call did, and each item in ``later``
+        as not judged (``why``); returns ``report``."""
+        report.add(runs, False, self.describe(timeout))
+        for name in later:
+            report.add(name, None, why)
+        return report
+
 
 def _ready() -> bool:
     return True

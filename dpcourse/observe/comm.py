@@ -27,6 +27,7 @@ import torch
 from ..collectives.cost import bus_factor
 from ..pool.tracker import TRACKER, process_group
 from ..torch_private import flight_recorder_entries, tensor_version
+from .collected import Collected
 from .watch import LoopWatch
 
 # Where S is among a c10d op's arguments: 0, the input; 1, the output (all_gather's input is
@@ -205,7 +206,7 @@ def wire_bytes_written() -> int | None:
     return None
 
 
-class Comm:
+class Comm(Collected):
     """Observer: every collective a rank issues, with its bytes, by training step.
 
         comm = dpc.observe.Comm()
@@ -218,6 +219,8 @@ class Comm:
     ``step``: None (default) for the whole call; 0, 1, ... for the step that many
     ``optimizer.step()`` calls in; negative from the end (-1: the last complete step).
     """
+
+    NAME = "comm"   # in the message when nothing was observed yet
 
     def __init__(self, payloads: bool = False):
         self.payloads = payloads
@@ -284,19 +287,11 @@ class Comm:
                 "wire": [b - a for a, b in zip(wire, wire[1:])] if known else None}
 
     # --- in the kernel -----------------------------------------------------------------
-    def collect(self, per_rank: list) -> None:
-        self.per_rank = per_rank
-
-    def _rank(self, rank: int) -> dict:
-        if self.per_rank is None:
-            raise RuntimeError("nothing observed yet: pass this observer to cluster.run(fn, observe=[comm])")
-        return self.per_rank[rank]
-
     def _step(self, rank: int, step: int | None) -> int | None:
         """``step`` as an index from the start (None: the whole call)."""
         if step is None:
             return None
-        steps = self._rank(rank)["steps"]
+        steps = self.of_rank(rank)["steps"]
         index = steps + step if step < 0 else step
         if not 0 <= index <= steps:
             raise IndexError(f"rank {rank} ran {steps} optimizer step(s); step={step} is not one of them")
@@ -305,7 +300,7 @@ class Comm:
     def records(self, rank: int = 0, step: int | None = None) -> list[CommRecord]:
         """The ``CommRecord``s of ``rank`` (in the order issued), of one step or all."""
         index = self._step(rank, step)
-        return [CommRecord(**r) for r in self._rank(rank)["records"] if index is None or r["step"] == index]
+        return [CommRecord(**r) for r in self.of_rank(rank)["records"] if index is None or r["step"] == index]
 
     def bytes(self, rank: int = 0, step: int | None = None, group: tuple | None = None) -> dict[str, int]:
         """{collective: logical bytes ``rank`` sent} (one step or the whole call; one process
@@ -336,7 +331,7 @@ class Comm:
         """Bytes ``rank`` wrote to its sockets (and any file) in one step or the whole call;
         ``NOT_MEASURED`` (prints as "not measured on this platform", false) off Linux, where the
         logical bytes are still counted."""
-        wire = self._rank(rank)["wire"]
+        wire = self.of_rank(rank)["wire"]
         if wire is None:
             return NOT_MEASURED
         index = self._step(rank, step)

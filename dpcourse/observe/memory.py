@@ -30,9 +30,10 @@ import torch
 from torch import nn
 from ..torch_private import ddp_has_comm_hook, ddp_logging_data, tree_flatten
 
+from .collected import Collected
 from .held import capture_buckets, held_bytes
 from .record import CallRecorder
-from .watch import LoopWatch, unwrapped_names
+from .watch import LoopWatch, remove_hooks, unwrapped_names
 
 
 def _units(root: nn.Module) -> dict:
@@ -57,11 +58,13 @@ def _ddp_bucket_bytes(root: nn.Module) -> int:
     return sum(int(b) for b in str(data.get("bucket_sizes", "")).split())
 
 
-class Memory:
+class Memory(Collected):
     """Observer: bytes by category on every rank, at rest and over one training step.
 
     step: which step's frames and at-rest bytes to keep (0-based; 1 or later); None, the
     last one the call completed."""
+
+    NAME = "mem"   # in the message when nothing was observed yet
 
     def __init__(self, step: int | None = None):
         if step is not None and step < 1:
@@ -92,8 +95,7 @@ class Memory:
         return self
 
     def __exit__(self, *exc):
-        for handle in self._handles:
-            handle.remove()
+        self._handles = remove_hooks(self._handles)
         self._watch.__exit__(*exc)
         self._recorder.__exit__(*exc)
 
@@ -172,18 +174,13 @@ class Memory:
                     f"function must run at least {need} (the recorded step starts where the one "
                     "before it ended)")
 
-    def _rank(self, rank: int) -> dict:
-        if self.per_rank is None:
-            raise RuntimeError("nothing observed yet: pass this observer to cluster.run(fn, observe=[mem])")
-        return self.per_rank[rank]
-
     def at_rest(self, rank: int = 0) -> dict[str, int]:
         """{category: bytes} ``rank`` held right after the recorded step's optimizer step."""
-        return dict(self._rank(rank)["at_rest"])
+        return dict(self.of_rank(rank)["at_rest"])
 
     def frames(self, rank: int = 0) -> list[dict]:
         """The recorded step, phase by phase: {"phase", "end": {category: bytes}, "peak": {...}}."""
-        return self._rank(rank)["frames"]
+        return self.of_rank(rank)["frames"]
 
     def peak(self, rank: int = 0) -> tuple[int, str]:
         """(most bytes ``rank`` held at once during the recorded step, the phase it was in)."""

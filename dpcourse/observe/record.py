@@ -21,6 +21,7 @@ from __future__ import annotations
 from ..memory.ledger import CATEGORIES
 from ..torch_private import mem_tracker_record
 from .held import ROLE_ORDER, TOOL_LABELS, fsdp1_flat_params, role_tensors, wrapper_kind
+from .watch import remove_hooks
 
 
 class CallRecorder:
@@ -58,8 +59,7 @@ class CallRecorder:
         if model is self.model and optimizer is self.optimizer:
             return
         self.model, self.optimizer, self.kind = model, optimizer, wrapper_kind(model)
-        for handle in self._handles:
-            handle.remove()
+        remove_hooks(self._handles)
         # Unsharded gradients live only between accumulation and FSDP's reduce-scatter:
         # look at them right after they are accumulated.
         self._handles = [t.register_post_accumulate_grad_hook(self._label)
@@ -99,9 +99,7 @@ class CallRecorder:
 
     def __exit__(self, *exc):
         self.tracker.__exit__(*exc)
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        self._handles = remove_hooks(self._handles)
 
     # --- results (plain data, sent back to the kernel) ----------------------------------
     def category(self, sid: int) -> str:

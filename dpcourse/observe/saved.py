@@ -20,6 +20,7 @@ import weakref
 import torch
 
 from ..torch_private import tensor_base
+from .collected import Collected
 
 
 class _Saved:
@@ -29,8 +30,10 @@ class _Saved:
         self.tensor = tensor
 
 
-class Activations:
+class Activations(Collected):
     """Observer: bytes saved for backward on every rank (``live`` now, ``peak`` so far)."""
+
+    NAME = "acts"   # in the message when nothing was observed yet
 
     def __init__(self):
         self.per_rank: list[dict] | None = None
@@ -83,18 +86,10 @@ class Activations:
         return {"peak": self.peak_bytes, "live": self.live, "at_backward": list(self.backward_starts)}
 
     # --- in the kernel -----------------------------------------------------------------
-    def collect(self, per_rank: list) -> None:
-        self.per_rank = per_rank
-
-    def _rank(self, rank: int) -> dict:
-        if self.per_rank is None:
-            raise RuntimeError("nothing observed yet: pass this observer to cluster.run(fn, observe=[acts])")
-        return self.per_rank[rank]
-
     def peak(self, rank: int = 0) -> int:
         """Most bytes ``rank`` had saved for backward at one moment of the call."""
-        return self._rank(rank)["peak"]
+        return self.of_rank(rank)["peak"]
 
     def at_backward(self, rank: int = 0) -> list[int]:
         """Bytes ``rank`` held saved for backward when each of its backward passes began."""
-        return self._rank(rank)["at_backward"]
+        return self.of_rank(rank)["at_backward"]

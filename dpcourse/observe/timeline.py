@@ -33,7 +33,7 @@ from ..torch_private import queue_backward_callback, tree_flatten
 from ..pool.tracker import TRACKER
 from .comm import Completions, first_tensor
 from . import events as ev
-from .watch import LoopWatch, unwrapped_names
+from .watch import LoopWatch, remove_hooks, unwrapped_names
 
 
 def _is_layer(module) -> bool:
@@ -78,8 +78,7 @@ class Timeline:
 
     def __exit__(self, *exc):
         self._listening.__exit__(*exc)
-        for handle in self._handles:
-            handle.remove()
+        self._handles = remove_hooks(self._handles)
         self._watch.__exit__(*exc)
         self._completions.close()  # collectives without a future report from its thread
 

@@ -21,6 +21,13 @@ from torch import nn
 from ..torch_private import wrapper_module_names
 
 
+def remove_hooks(handles: list) -> list:
+    """Remove every hook in ``handles`` (PyTorch's removable handles); returns a new empty list."""
+    for handle in handles:
+        handle.remove()
+    return []
+
+
 class LoopWatch:
     """Inside ``with LoopWatch(on_forward=..., on_step_begin=..., on_step_end=...):`` the
     callbacks run at every outermost module forward (``on_forward(module)``) and before and
@@ -80,9 +87,7 @@ class LoopWatch:
         return self
 
     def __exit__(self, *exc):
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        self._handles = remove_hooks(self._handles)
 
 
 def unwrapped_names(root: nn.Module) -> dict[nn.Module, str]:

@@ -52,71 +52,115 @@ def verdict(waits: dict[int, dict | None], finished: set[int], total: dict[int, 
     pending = set(waits)
     if not pending:
         return None
+    deps, mismatched = _dependencies(waits, total)
+    _keep_the_stuck(deps, pending)
+    if not deps or (set(deps) != pending and not mismatched):
+        return None
+    return _describe(deps, mismatched, waits, finished, world_size)
+
+
+def _dependencies(waits: dict[int, dict | None], total: dict[int, dict]) -> tuple[dict, dict]:
+    """(rank -> the ranks that must act before its wait can end, rank -> the other members of its
+    group blocked in a different collective), for every blocked rank nothing already frees."""
     deps: dict[int, set[int]] = {}
     mismatched: dict[int, list[int]] = {}
     for r, w in waits.items():
         if not w:
             continue
-        g, peer = tuple(w["group"]), w.get("peer")
-        if w["kind"] == "recv":
-            if peer is None:
-                continue  # from any rank: not decided here
-            if _count(total.get(peer), "sent", (g, r)) >= _count(total.get(r), "received", (g, peer)):
-                continue  # a message is there for it: it completes
-            deps[r] = {peer}
-        elif w["kind"] == "send":
-            posted = _count(total.get(peer), "received", (g, r)) + _count(total.get(peer), "received", (g, None))
-            if posted >= _count(total.get(r), "sent", (g, peer)):
-                continue
-            deps[r] = {peer}
-        else:
-            k = _count(total.get(r), "collectives", g)
-            behind = {m for m in g if m != r and _count(total.get(m), "collectives", g) < k}
-            if behind:
-                deps[r] = behind
-                continue
-            others = [m for m in g if m != r]
-            same = [m for m in others if waits.get(m) and waits[m]["kind"] == "collective"
-                    and tuple(waits[m]["group"]) == g and _count(total.get(m), "collectives", g) == k]
-            if others and len(same) == len(others) and any(waits[m]["name"] != w["name"] for m in same):
-                mismatched[r] = same
-                deps[r] = set()
+        if w["kind"] in ("recv", "send"):
+            peers = _p2p_waits_for(r, w, total)
+            if peers is not None:
+                deps[r] = peers
+            continue
+        behind, same = _collective_waits_for(r, w, waits, total)
+        if behind:
+            deps[r] = behind
+        elif same is not None:
+            mismatched[r] = same
+            deps[r] = set()
+    return deps, mismatched
+
+
+def _p2p_waits_for(r: int, w: dict, total: dict[int, dict]) -> set[int] | None:
+    """{the peer} a blocked send or recv waits for, or None when it completes (or, a recv from
+    any rank, is not decided here)."""
+    g, peer = tuple(w["group"]), w.get("peer")
+    if w["kind"] == "recv":
+        if peer is None:
+            return None  # from any rank: not decided here
+        if _count(total.get(peer), "sent", (g, r)) >= _count(total.get(r), "received", (g, peer)):
+            return None  # a message is there for it: it completes
+        return {peer}
+    posted = _count(total.get(peer), "received", (g, r)) + _count(total.get(peer), "received", (g, None))
+    if posted >= _count(total.get(r), "sent", (g, peer)):
+        return None
+    return {peer}
+
+
+def _collective_waits_for(r: int, w: dict, waits: dict[int, dict | None],
+                          total: dict[int, dict]) -> tuple[set[int], list[int] | None]:
+    """(the members that have issued fewer collectives on the group, the other members when every
+    one is blocked in this same k-th collective under a different name, else None)."""
+    g = tuple(w["group"])
+    k = _count(total.get(r), "collectives", g)
+    behind = {m for m in g if m != r and _count(total.get(m), "collectives", g) < k}
+    if behind:
+        return behind, None
+    others = [m for m in g if m != r]
+    same = [m for m in others if waits.get(m) and waits[m]["kind"] == "collective"
+            and tuple(waits[m]["group"]) == g and _count(total.get(m), "collectives", g) == k]
+    if others and len(same) == len(others) and any(waits[m]["name"] != w["name"] for m in same):
+        return behind, same
+    return behind, None
+
+
+def _keep_the_stuck(deps: dict[int, set[int]], pending: set[int]) -> None:
+    """Keep only ranks whose every possible helper has returned or is stuck too (in place)."""
     changed = True
-    while changed:  # keep only ranks whose every possible helper has returned or is stuck too
+    while changed:
         changed = False
         for r in list(deps):
             if any(d in pending and d not in deps for d in deps[r]):
                 del deps[r]
                 changed = True
-    if not deps or (set(deps) != pending and not mismatched):
-        return None
+
+
+def _describe(deps: dict[int, set[int]], mismatched: dict[int, list[int]], waits: dict[int, dict | None],
+              finished: set[int], world_size: int) -> tuple[list[str], set[str]]:
+    """One line per stuck rank (one per group whose collectives differ), and the kinds of wait."""
     lines, kinds = [], set()
     for r in sorted(deps):
         w = waits[r]
         kinds.add("collective" if w["kind"] == "collective" else "p2p")
-        g = tuple(w["group"])
-        if r in mismatched:
-            members = sorted([r, *mismatched[r]])
-            if r == members[0]:  # one line per group
-                said = ", ".join([f"rank {r} waits in {_what(w)}"]
-                                 + [f"rank {m} in {_what(waits[m])}" for m in members[1:]])
-                lines.append(f"on {_group_name(g, world_size)} {said}: the collectives differ, so none "
-                             "of them can complete")
-            continue
-
-        def where(d: int) -> str:
-            if d in finished or d not in pending:
-                return "has returned from this call"
-            return f"waits in {_what(waits[d])}"
-
-        if w["kind"] == "collective":
-            lines.append(f"rank {r} waits in {_what(w)} on {_group_name(g, world_size)}, which "
-                         + "; ".join(f"rank {d} has not joined: it {where(d)}" for d in sorted(deps[r])))
-        else:
-            d = next(iter(deps[r]))
-            lines.append(f"rank {r} waits in {_what(w)}, which " + ("" if d in finished or d not in pending
-                                                                   else "itself ") + where(d))
+        if r not in mismatched:
+            lines.append(_stuck_line(r, deps[r], waits, finished, world_size))
+        elif r == min(mismatched[r] + [r]):  # one line per group
+            lines.append(_mismatch_line(r, mismatched[r], waits, world_size))
     return lines, kinds
+
+
+def _mismatch_line(r: int, same: list[int], waits: dict[int, dict | None], world_size: int) -> str:
+    members = sorted([r, *same])
+    said = ", ".join([f"rank {r} waits in {_what(waits[r])}"]
+                     + [f"rank {m} in {_what(waits[m])}" for m in members[1:]])
+    return (f"on {_group_name(tuple(waits[r]['group']), world_size)} {said}: the collectives differ, "
+            "so none of them can complete")
+
+
+def _stuck_line(r: int, deps: set[int], waits: dict[int, dict | None], finished: set[int],
+                world_size: int) -> str:
+    w = waits[r]
+
+    def where(d: int) -> str:
+        if d in finished or d not in waits:
+            return "has returned from this call"
+        return f"waits in {_what(waits[d])}"
+
+    if w["kind"] == "collective":
+        return (f"rank {r} waits in {_what(w)} on {_group_name(tuple(w['group']), world_size)}, which "
+                + "; ".join(f"rank {d} has not joined: it {where(d)}" for d in sorted(deps)))
+    d = next(iter(deps))
+    return f"rank {r} waits in {_what(w)}, which " + ("" if d in finished or d not in waits else "itself ") + where(d)
 
 
 def hint(kinds: set[str]) -> str:

@@ -15,6 +15,7 @@ from ... import models
 from ..ranks import RankFailure, run_or_failure
 from ..report import Report
 from . import try_it
+from .ddp import _all_reduces   # 4.2a's listener: (dtype, bytes) of every all-reduce issued
 
 TIMEOUT = 20.0          # seconds for one check's call on the ranks
 RTOL, ATOL = 1e-5, 1e-6
@@ -57,10 +58,7 @@ def check_eval_metric(accuracy, cluster) -> Report:
                         "every rank returns the accuracy of the whole dataset")
     got = run_or_failure(cluster, _accuracy_on_rank, accuracy, timeout=TIMEOUT)
     if isinstance(got, RankFailure):
-        report.add(runs, False, got.describe(TIMEOUT))
-        report.add(once, None, "judged once it runs")
-        report.add(same, None, "judged once it runs")
-        return report
+        return got.fail(report, runs, TIMEOUT, [once, same])
     report.add(runs, True)
     world, want = len(got), _labelled()[1]
     reads: dict[int, list[int]] = {}
@@ -165,10 +163,7 @@ def check_zero1(make_optimizer, cluster) -> Report:
                                  "after each step the updated parameters reach every rank")
     got = run_or_failure(cluster, _zero_on_rank, make_optimizer, timeout=TIMEOUT)
     if isinstance(got, RankFailure):
-        report.add(runs, False, got.describe(TIMEOUT))
-        for name in (step, shard, gather):
-            report.add(name, None, "judged once it runs")
-        return report
+        return got.fail(report, runs, TIMEOUT, [step, shard, gather])
     report.add(runs, True)
     world = len(got)
     full = sum(v.numel() * v.element_size() for v in models.build_model("mlp", seed=0).state_dict().values())
@@ -241,22 +236,12 @@ def _powersgd_on_rank(register):
     per_step = []
     for _ in range(PSGD_STEPS):
         seen = []
-        with TRACKER.listen(_all_reduce_bytes(seen)):
+        with TRACKER.listen(_all_reduces(seen)):
             optimizer.zero_grad()
             F.mse_loss(ddp(x[mine]), y[mine]).backward()
-        per_step.append(sum(seen))
+        per_step.append(sum(nbytes for _, nbytes in seen))
         optimizer.step()
     return per_step
-
-
-def _all_reduce_bytes(seen: list):
-    def listen(issued):
-        if issued.collective == "all_reduce":
-            arg = issued.args[0]
-            for t in arg if isinstance(arg, (list, tuple)) else [arg]:
-                if isinstance(t, torch.Tensor):
-                    seen.append(t.numel() * t.element_size())
-    return listen
 
 
 @try_it("powersgd", "4.2e", f"PowerSGD of rank {PSGD_RANK} after {PSGD_START} plain steps")
@@ -267,10 +252,7 @@ def check_powersgd(register_powersgd, cluster) -> Report:
     factored = f"later steps send rank-{PSGD_RANK} factors"
     got = run_or_failure(cluster, _powersgd_on_rank, register_powersgd, timeout=TIMEOUT)
     if isinstance(got, RankFailure):
-        report.add(runs, False, got.describe(TIMEOUT))
-        report.add(warm, None, "judged once it runs")
-        report.add(factored, None, "judged once it runs")
-        return report
+        return got.fail(report, runs, TIMEOUT, [warm, factored])
     report.add(runs, True)
     steps, full, want = got[0], 4 * sum(p.numel() for p in models.build_model("mlp").parameters()), \
         powersgd_bytes(PSGD_RANK)

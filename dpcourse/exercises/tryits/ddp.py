@@ -168,10 +168,7 @@ def check_sampler(epoch_orders, cluster) -> Report:
     equal = "the ranks read equal parts, all but the uneven tail"
     got = run_or_failure(cluster, _orders_on_rank, epoch_orders, timeout=TIMEOUT)
     if isinstance(got, RankFailure):
-        report.add(runs, False, got.describe(TIMEOUT))
-        for name in (parts, equal, new, seeded):
-            report.add(name, None, "judged once it runs")
-        return report
+        return got.fail(report, runs, TIMEOUT, [parts, equal, new, seeded])
     world = len(got)
     lengths = {len(r["orders"]) for r in got}
     if lengths != {EPOCHS}:
@@ -331,10 +328,7 @@ def check_ddp_script(train_and_save, cluster) -> Report:
             f.write(wire.dumps(train_and_save))
         got = _script_or_failure(cluster, _SCRIPT, os.path.join(folder, "answer.pkl"), folder, timeout=TIMEOUT)
         if isinstance(got, RankFailure):
-            report.add(runs, False, got.describe(TIMEOUT))
-            for name in (once, loads, step, left):
-                report.add(name, None, "judged once it runs")
-            return report
+            return got.fail(report, runs, TIMEOUT, [once, loads, step, left])
         report.add(runs, True)
         seen = [torch.load(os.path.join(folder, f"seen-{r}.pt"), weights_only=False) for r in range(len(got))]
         path = os.path.join(folder, "weights.pt")
@@ -351,8 +345,20 @@ def check_ddp_script(train_and_save, cluster) -> Report:
 
 def _judge_script(report: Report, seen: list[dict], file, names) -> Report:
     once, loads, step, left = names
-    world = len(seen)
-    saves = [len(s["saved"]) for s in seen]
+    saves = [len(s["saved"]) for s in seen]   # per rank: how many times it saved
+    _judge_saved_once(report, once, saves)
+    _judge_loads(report, loads, file, saves)
+    _judge_step(report, step, seen)
+    still = [r for r, s in enumerate(seen) if s["initialized"]]
+    report.add(left, not still, "" if not still else
+               f"rank{'s' if len(still) > 1 else ''} {', '.join(map(str, still))} still had a process group "
+               "when the function returned: under torchrun, what does a process do with its group "
+               "before it ends?")
+    return report
+
+
+def _judge_saved_once(report: Report, once: str, saves: list[int]) -> None:
+    world = len(saves)
     if saves == [1] + [0] * (world - 1):
         report.add(once, True)
     elif sum(saves) == 0:
@@ -368,6 +374,9 @@ def _judge_script(report: Report, seen: list[dict], file, names) -> Report:
     else:
         report.add(once, False, f"rank 0 saved {saves[0]} times, into one file: the last save is all that is left")
 
+
+def _judge_loads(report: Report, loads: str, file, saves: list[int]) -> None:
+    """``file``: what the saved file loads as (None: no file, an exception: it does not load)."""
     if file is None:
         report.add(loads, False, "nothing was saved at the path given" if any(saves) else "no rank saved")
     elif isinstance(file, Exception):
@@ -389,6 +398,9 @@ def _judge_script(report: Report, seen: list[dict], file, names) -> Report:
             else:
                 report.add(loads, False, f"{type(err).__name__}: {str(err).splitlines()[0][:160]}")
 
+
+def _judge_step(report: Report, step: str, seen: list[dict]) -> None:
+    world = len(seen)
     x, y = models.make_dataset("mlp", GLOBAL_BATCH).tensors
     saved = next((s["saved"][0] for s in seen if s["saved"]), None)
     if not isinstance(saved, dict):
@@ -417,13 +429,6 @@ def _judge_script(report: Report, seen: list[dict], file, names) -> Report:
             worst = max((weights[k] - v).abs().max().item() for k, v in _sgd_step(x, y).items() if k in weights)
             report.add(step, False, f"they differ from one SGD step (learning rate {LR}, the mean squared "
                                     f"error) on the whole batch by up to {worst:.1e}: one step, with that loss?")
-
-    still = [r for r, s in enumerate(seen) if s["initialized"]]
-    report.add(left, not still, "" if not still else
-               f"rank{'s' if len(still) > 1 else ''} {', '.join(map(str, still))} still had a process group "
-               "when the function returned: under torchrun, what does a process do with its group "
-               "before it ends?")
-    return report
 
 
 # -------------------------------------------------------------------------------- comm_hook
@@ -527,29 +532,7 @@ def check_comm_hook(register_bf16_hook, cluster) -> Report:
         return report
     report.add(runs, True)
     r = got[0]
-    plain_bytes, dtypes = sum(b for _, b in r["plain"]), sorted({d for d, _ in r["hooked"]})
-    hooked_bytes = sum(b for _, b in r["hooked"])
-    if not r["registered"]:
-        report.add(wire, False, "no comm hook was registered on the model: DDP all-reduced each bucket "
-                                "itself, in float32")
-    elif not r["hooked"]:
-        report.add(wire, False, "no all-reduce ran: the hook's future held a result, but no rank "
-                                "sent its bucket to the others")
-    elif dtypes == ["bfloat16"] and 2 * hooked_bytes == plain_bytes:
-        report.add(wire, True)
-    elif dtypes == ["float16"]:
-        report.add(wire, False, f"the buckets travelled in float16, not bf16 ({hooked_bytes:,} bytes: half, "
-                                "as asked): float16 keeps more mantissa bits but a far smaller range, so "
-                                "large gradients overflow to inf where bf16 keeps float32's range. Which "
-                                "16-bit dtype did the cell ask for?")
-    elif dtypes != ["bfloat16"]:
-        report.add(wire, False, f"the bucket travelled in full precision ({', '.join(dtypes)}, "
-                                f"{hooked_bytes:,} bytes; DDP's own all-reduce sends {plain_bytes:,}): "
-                                "where does the hook make it bf16?")
-    else:
-        report.add(wire, False, f"the hook all-reduced {hooked_bytes:,} bytes of bf16 per backward, DDP "
-                                f"itself {plain_bytes:,} of float32: one all-reduce per bucket, of the "
-                                "bucket's whole gradient?")
+    _judge_wire(report, wire, r)
 
     kinds = sorted(set(r["returned"]))
     if not kinds or kinds == ["float32"]:
@@ -577,3 +560,30 @@ def check_comm_hook(register_bf16_hook, cluster) -> Report:
                       "explains: is each value rounded once, and averaged over the ranks?")
         report.add(grads, False, detail)
     return report
+
+
+def _judge_wire(report: Report, wire: str, r: dict) -> None:
+    """Was each bucket all-reduced in bf16, half the bytes of DDP's own float32 all-reduce?"""
+    plain_bytes, dtypes = sum(b for _, b in r["plain"]), sorted({d for d, _ in r["hooked"]})
+    hooked_bytes = sum(b for _, b in r["hooked"])
+    if not r["registered"]:
+        report.add(wire, False, "no comm hook was registered on the model: DDP all-reduced each bucket "
+                                "itself, in float32")
+    elif not r["hooked"]:
+        report.add(wire, False, "no all-reduce ran: the hook's future held a result, but no rank "
+                                "sent its bucket to the others")
+    elif dtypes == ["bfloat16"] and 2 * hooked_bytes == plain_bytes:
+        report.add(wire, True)
+    elif dtypes == ["float16"]:
+        report.add(wire, False, f"the buckets travelled in float16, not bf16 ({hooked_bytes:,} bytes: half, "
+                                "as asked): float16 keeps more mantissa bits but a far smaller range, so "
+                                "large gradients overflow to inf where bf16 keeps float32's range. Which "
+                                "16-bit dtype did the cell ask for?")
+    elif dtypes != ["bfloat16"]:
+        report.add(wire, False, f"the bucket travelled in full precision ({', '.join(dtypes)}, "
+                                f"{hooked_bytes:,} bytes; DDP's own all-reduce sends {plain_bytes:,}): "
+                                "where does the hook make it bf16?")
+    else:
+        report.add(wire, False, f"the hook all-reduced {hooked_bytes:,} bytes of bf16 per backward, DDP "
+                                f"itself {plain_bytes:,} of float32: one all-reduce per bucket, of the "
+                                "bucket's whole gradient?")

@@ -101,10 +101,7 @@ def _run(cluster, fn, *args):
 
 
 def _failed_run(report: Report, got: RankFailure, later: list[str]) -> Report:
-    report.add("runs on every rank", False, got.describe(TIMEOUT))
-    for name in later:
-        report.add(name, None, JUDGED_LATER)
-    return report
+    return got.fail(report, "runs on every rank", TIMEOUT, later, JUDGED_LATER)
 
 
 # ------------------------------------------------------------------------------ fully_shard

@@ -62,10 +62,7 @@ def _plain_name(name: str) -> str:
 
 
 def _failed(report: Report, got: RankFailure, items: list[str]) -> Report:
-    report.add("runs on every rank", False, got.describe(TIMEOUT))
-    for name in items:
-        report.add(name, None, LATER)
-    return report
+    return got.fail(report, "runs on every rank", TIMEOUT, items, LATER)
 
 
 # ---------------------------------------------------------------------------------- meta_init
@@ -702,6 +699,23 @@ def _compare_state(state: dict, saved: dict) -> str:
     return ""
 
 
+def _optimizer_state_mismatch(got: RankFailure) -> str | None:
+    """What a load that failed putting the optimizer's state back saw, or None for another failure."""
+    by_position = re.search(r"Size mismatch between saved .* for \S*state\.\d+\.", got.summary)
+    said = re.search(r"(Size mismatch between saved[^\n]*|loaded state dict contains a parameter group[^\n]*)",
+                     got.summary)
+    if not (by_position or "parameter group that doesn't match" in got.summary):
+        return None
+    seen = ("the saved optimizer state, numbered by position, has other shapes than the new "
+            "optimizer's" if by_position else "the saved parameter groups do not match the new "
+            "optimizer's in size")
+    return (f"load failed putting the optimizer's state back: {seen} "
+            f"(PyTorch: \"{said.group(1).strip()[:160] if said else got.summary[:160]}\"). An optimizer's own state_dict numbers "
+            "its parameters by their position in this rank's optimizer and holds them as this "
+            "sharding lays them out, which another sharding does otherwise: which state dicts "
+            "name them by the model's parameter names, whatever the sharding?")
+
+
 @try_it("dcp", "4.2c", "a DCP checkpoint of model, optimizer and schedule, resumed sharded otherwise")
 def check_dcp(checkpoint, cluster) -> Report:
     report = Report("")
@@ -720,18 +734,9 @@ def check_dcp(checkpoint, cluster) -> Report:
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     if isinstance(got, RankFailure):
-        by_position = re.search(r"Size mismatch between saved .* for \S*state\.\d+\.", got.summary)
-        said = re.search(r"(Size mismatch between saved[^\n]*|loaded state dict contains a parameter group[^\n]*)",
-                         got.summary)
-        if by_position or "parameter group that doesn't match" in got.summary:
-            seen = ("the saved optimizer state, numbered by position, has other shapes than the new "
-                    "optimizer's" if by_position else "the saved parameter groups do not match the new "
-                    "optimizer's in size")
-            report.add("runs on every rank", False, f"load failed putting the optimizer's state back: {seen} "
-                       f"(PyTorch: \"{said.group(1).strip()[:160] if said else got.summary[:160]}\"). An optimizer's own state_dict numbers "
-                       "its parameters by their position in this rank's optimizer and holds them as this "
-                       "sharding lays them out, which another sharding does otherwise: which state dicts "
-                       "name them by the model's parameter names, whatever the sharding?")
+        detail = _optimizer_state_mismatch(got)
+        if detail is not None:
+            report.add("runs on every rank", False, detail)
             for name in (weights, state, where, step):
                 report.add(name, None, LATER)
             return report

@@ -227,25 +227,11 @@ def _running_of(inputs):
     return bn.running_mean, bn.running_var
 
 
-@try_it("sync_batchnorm", "4.2d", "BatchNorm with the global batch's statistics, under DDP")
-def check_sync_batchnorm(prepare, cluster) -> Report:
-    report = Report("")
-    runs = "runs on every rank"
-    layers_name = "each BatchNorm layer normalises with the statistics of the global batch"
-    out_name = "outputs equal one process's on the global batch"
-    step_name = "one training step equals one process's step on the global batch"
-    _warm_up(cluster)
-    got = run_or_failure(cluster, _prepare_on_rank, prepare, timeout=BN_TIMEOUT)
-    if isinstance(got, RankFailure):
-        report.add(runs, False, got.describe(BN_TIMEOUT))
-        for name in (layers_name, out_name, step_name):
-            report.add(name, None, "judged once it runs")
-        return report
-    report.add(runs, True)
-    world, sizes = len(got), _bn_sizes(len(got))
-    names = got[0]["names"]
-    per_rank = []          # layers that normalised with one rank's samples only
-    other = []             # layers whose statistics are neither
+def _bn_statistics(got: list[dict], names: list[str]) -> tuple[list[str], list[str]]:
+    """(the layers that normalised with one rank's samples only, those whose statistics are
+    neither the global batch's nor one rank's); a layer with the global batch's is in neither."""
+    per_rank = []
+    other = []
     for name in names:
         if not all(name in r["seen"] for r in got):
             other.append(_name(name))
@@ -260,6 +246,24 @@ def check_sync_batchnorm(prepare, cluster) -> Report:
             per_rank.append(_name(name))
         else:
             other.append(_name(name))
+    return per_rank, other
+
+
+@try_it("sync_batchnorm", "4.2d", "BatchNorm with the global batch's statistics, under DDP")
+def check_sync_batchnorm(prepare, cluster) -> Report:
+    report = Report("")
+    runs = "runs on every rank"
+    layers_name = "each BatchNorm layer normalises with the statistics of the global batch"
+    out_name = "outputs equal one process's on the global batch"
+    step_name = "one training step equals one process's step on the global batch"
+    _warm_up(cluster)
+    got = run_or_failure(cluster, _prepare_on_rank, prepare, timeout=BN_TIMEOUT)
+    if isinstance(got, RankFailure):
+        return got.fail(report, runs, BN_TIMEOUT, [layers_name, out_name, step_name])
+    report.add(runs, True)
+    world, sizes = len(got), _bn_sizes(len(got))
+    names = got[0]["names"]
+    per_rank, other = _bn_statistics(got, names)
     if len(names) < 2:
         report.add(layers_name, False, f"the model holds {len(names)} BatchNorm layer(s) after your function, "
                                        "it was given 2: was a layer replaced by something else?")
@@ -353,6 +357,23 @@ def _simulate_join(world: int, divide_by_initial_world_size: bool = True):
     return dict(model.named_parameters())
 
 
+def _join_failure(got: RankFailure, counts: list[int]) -> str:
+    """What a join call that failed did: hung on uneven batches, called a hook of the wrong object, or else."""
+    if got.kind == "hang":
+        where = f" ({got.summary})" if got.summary else ""
+        shares = ", ".join(f"rank {r} {n}" for r, n in enumerate(counts))
+        return (f"the ranks did not finish within {JOIN_TIMEOUT:g} s{where}. Batches per rank: "
+                f"{shares}. Each backward all-reduces the gradients, "
+                "so the ranks issue different numbers of all-reduces, and a rank with batches left "
+                "waits for a partner that has stopped. What can answer its all-reduces once a "
+                "rank has run out?")
+    if "join_hook" in got.summary or "joinable" in got.summary:
+        return (f"{got.summary} -- the join context calls a hook of each object it is given, to "
+                "answer that object's collectives for a rank that has run out: which object here "
+                "issues the all-reduces?")
+    return got.describe(JOIN_TIMEOUT)
+
+
 @try_it("join", "4.2d", "DDP through uneven batches per rank, averaged over the ranks still training")
 def check_join(train, cluster) -> Report:
     report = Report("")
@@ -365,21 +386,7 @@ def check_join(train, cluster) -> Report:
     got = run_or_failure(cluster, _join_on_rank, train, timeout=JOIN_TIMEOUT)
     counts = _join_counts(cluster.world_size)
     if isinstance(got, RankFailure):
-        if got.kind == "hang":
-            where = f" ({got.summary})" if got.summary else ""
-            shares = ", ".join(f"rank {r} {n}" for r, n in enumerate(counts))
-            detail = (f"the ranks did not finish within {JOIN_TIMEOUT:g} s{where}. Batches per rank: "
-                      f"{shares}. Each backward all-reduces the gradients, "
-                      "so the ranks issue different numbers of all-reduces, and a rank with batches left "
-                      "waits for a partner that has stopped. What can answer its all-reduces once a "
-                      "rank has run out?")
-        elif "join_hook" in got.summary or "joinable" in got.summary:
-            detail = (f"{got.summary} -- the join context calls a hook of each object it is given, to "
-                      "answer that object's collectives for a rank that has run out: which object here "
-                      "issues the all-reduces?")
-        else:
-            detail = got.describe(JOIN_TIMEOUT)
-        report.add(runs, False, detail)
+        report.add(runs, False, _join_failure(got, counts))
         for name in (steps_name, equal_name, want_name):
             report.add(name, None, "judged once it runs")
         return report
