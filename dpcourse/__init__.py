@@ -5,12 +5,13 @@
     cluster.run(fn)                          # fn runs on every rank; results by rank
     %load_ext dpcourse                       # then %%ranks runs a cell on every rank
 """
-from .pool import (Cluster, ClusterError, RankDied, RankError, RankReport, RankTimeout,
-                   SerializationError, current_cluster, free_port)
+from .pool import Cluster, RankError, RankTimeout
 
 __version__ = "0.1.0"
-__all__ = ["Cluster", "ClusterError", "RankDied", "RankError", "RankReport", "RankTimeout",
-           "SerializationError", "current_cluster", "free_port", "load_ipython_extension"]
+# The README's table, and only it: every other name is imported from its module
+# (``dpcourse.pool.errors.RankDied``). ``load_ipython_extension`` is IPython's hook for
+# ``%load_ext dpcourse``, called by IPython, not typed by a learner.
+__all__ = ["Cluster", "RankError", "RankTimeout"]
 
 
 def load_ipython_extension(ipython) -> None:

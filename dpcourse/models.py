@@ -13,6 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# the names the notebooks use; the rest (``loss_fn``, ``wrap_classes``, ...) are the package's own
+__all__ = ["MLP", "build_model", "make_dataset"]
+
 
 class MLPBlock(nn.Module):
     """Linear -> GELU, with a residual connection when the widths agree."""

@@ -17,9 +17,11 @@ import torch.distributed as dist
 
 from dpcourse import models
 from dpcourse.backends import rank_device
-from dpcourse.scratch import BucketedDDP, MiniFSDP, NaiveDDP, OverlapDDP, ShardedOptimizer, broadcast_module
-from dpcourse.train import TrainConfig, train_single_process
-from dpcourse.train.runner import batches, make_loader, make_optimizer
+from dpcourse.scratch import BucketedDDP, MiniFSDP, NaiveDDP
+from dpcourse.scratch.ddp import OverlapDDP, broadcast_module
+from dpcourse.scratch.zero import ShardedOptimizer
+from dpcourse.train import TrainConfig
+from dpcourse.train.runner import batches, make_loader, make_optimizer, train_single_process
 
 SCRATCH = {"naive": NaiveDDP, "overlap": OverlapDDP, "bucketed": BucketedDDP, "mini_fsdp": MiniFSDP}
 
@@ -31,7 +33,7 @@ class RingReduceScatterFSDP(MiniFSDP):
     def comm_hook(self, collective, output, input, name):
         if collective != "reduce_scatter":
             return super().comm_hook(collective, output, input, name)
-        from dpcourse.collectives import ring_reduce_scatter
+        from dpcourse.collectives.ring import ring_reduce_scatter
 
         output.copy_(ring_reduce_scatter(input, op="sum", group=self.group))
         done = torch.futures.Future()

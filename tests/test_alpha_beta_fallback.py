@@ -19,6 +19,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import dpcourse as dpc  # noqa: E402
+from dpcourse.collectives.cost import ring_all_reduce_seconds  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
 NOTEBOOK = Path(__file__).parent.parent / "notebooks" / "4.1b-ring-fsdp-and-memory.ipynb"
@@ -60,7 +61,7 @@ def run_cells(cluster, times, ids):
 def test_the_fit_recovers_alpha_and_beta_of_exact_timings(cluster2):
     alpha, beta, n = 70e-6, 2.5e9, cluster2.world_size
     exact = {s: 2 * (n - 1) * alpha + 2 * (n - 1) / n * s / beta for s in NOISE}
-    assert exact[1 << 22] == pytest.approx(dpc.collectives.ring_all_reduce_seconds(1 << 22, n, alpha, beta))
+    assert exact[1 << 22] == pytest.approx(ring_all_reduce_seconds(1 << 22, n, alpha, beta))
     ns, text = run_cells(cluster2, exact, ["nb41-ring-15"])
     assert ns["alpha"] == pytest.approx(alpha, rel=1e-6) and ns["beta"] == pytest.approx(beta, rel=1e-6)
     shown = re.search(r"alpha = (\d+) us per message, beta = ([\d.]+) GB/s", text)

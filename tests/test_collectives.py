@@ -13,11 +13,13 @@ import torch
 import torch.distributed as dist
 
 import dpcourse as dpc
-from dpcourse.collectives import (Trace, bytes_sent_per_rank, chunk_bounds, fast_ring,
-                                  fast_ring_all_gather, fast_ring_all_reduce,
-                                  fast_ring_reduce_scatter, naive_all_reduce, num_steps, ring,
-                                  ring_all_gather, ring_all_reduce, ring_reduce_scatter, simulate,
-                                  whole_ring_all_reduce)
+from dpcourse.collectives import fast_ring, ring
+from dpcourse.collectives.cost import bytes_sent_per_rank, num_steps
+from dpcourse.collectives.fast_ring import fast_ring_all_gather, fast_ring_all_reduce, fast_ring_reduce_scatter
+from dpcourse.collectives.naive import naive_all_reduce, whole_ring_all_reduce
+from dpcourse.collectives.ring import ring_all_gather, ring_all_reduce, ring_reduce_scatter
+from dpcourse.collectives.schedule import chunk_bounds, simulate
+from dpcourse.collectives.trace import Trace
 
 pytestmark = pytest.mark.timeout(180)
 NUMELS = (0, 1, 2, 3, 7, 100, 1001)
@@ -174,7 +176,7 @@ def test_traced_run_ends_equal_to_dist_all_reduce(cluster):
     assert sum(run.trace.bytes_sent()) == 2 * (cluster.world_size - 1) * 10 * 8
     # the ranks ran the plain ring, the function the course prints
     assert run.function == "dpcourse.collectives.ring.ring_all_reduce"
-    assert dpc.collectives.traced.qualified_name(dpc.collectives.ring_all_reduce) == run.function
+    assert dpc.collectives.traced.qualified_name(ring_all_reduce) == run.function
 
 
 def _mismatched(which, kind):

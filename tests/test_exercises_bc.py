@@ -18,6 +18,7 @@ from nbclient import NotebookClient
 
 import dpcourse as dpc
 from dpcourse.exercises import exercise_b, exercise_c, setups
+from dpcourse.exercises.report import Report
 
 pytestmark = pytest.mark.timeout(900)
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks" / "exercises"
@@ -285,7 +286,7 @@ def test_b_no_ddp_at_all_fails_its_set_up_item(b_clusters):
 def test_b_where_no_budget_can_be_enforced_the_peak_is_compared_and_the_report_says_so():
     entry = {"enforced": False, "steps_per_second": 5.0, "why": ""}
     large = {"ddp": dict(entry, outcome="over", peak=106 << 20), "fsdp": dict(entry, outcome="fits", peak=47 << 20)}
-    report = dpc.exercises.Report("Exercise B")
+    report = Report("Exercise B")
     exercise_b._judge_large(report, large, {"held": (None, "no prediction yet")})
     ddp, fsdp = report.items
     assert ddp.status == fsdp.status == "pass"

@@ -7,10 +7,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dpcourse.collectives import (Trace, bytes_sent_per_rank, chunk_bounds, fast_ring,
-                                  fast_ring_all_gather, fast_ring_all_reduce,
-                                  fast_ring_reduce_scatter, ring_all_gather,
-                                  ring_all_reduce, ring_reduce_scatter)
+from dpcourse.collectives import fast_ring
+from dpcourse.collectives.cost import bytes_sent_per_rank
+from dpcourse.collectives.fast_ring import fast_ring_all_gather, fast_ring_all_reduce, fast_ring_reduce_scatter
+from dpcourse.collectives.ring import ring_all_gather, ring_all_reduce, ring_reduce_scatter
+from dpcourse.collectives.schedule import chunk_bounds
+from dpcourse.collectives.trace import Trace
 
 pytestmark = pytest.mark.timeout(180)
 

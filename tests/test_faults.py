@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import dpcourse as dpc
+from dpcourse.pool.errors import RankDied
 from dpcourse import models
 from dpcourse.train import TrainConfig, checkpoint, train
 from conftest import kill_tree
@@ -177,7 +178,7 @@ def test_kill_9_at_each_point_of_a_checkpoint_write(cluster2, uninterrupted, tmp
     root = str(tmp_path / "ckpt")
     cfg = TrainConfig(steps=20, checkpoint_dir=root, checkpoint_every=5, resume="auto", progress=False, **OPTIONS)
     cluster2.run(_arm, f"{rank}:{point}:10")
-    with pytest.raises(dpc.RankDied):  # the pool restarts the ranks, without the armed hook
+    with pytest.raises(RankDied):  # the pool restarts the ranks, without the armed hook
         cluster2.run(train, cfg)
     assert checkpoint.latest(root) == checkpoint.step_dir(root, newest)
     partial = os.path.join(root, ".partial-step-000010")

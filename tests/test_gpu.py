@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 import dpcourse as dpc
+from dpcourse.pool.errors import ClusterError
 from dpcourse.backends import GPU_BACKEND, rank_device, uses_cuda
 
 pytestmark = [
@@ -55,7 +56,7 @@ def test_auto_with_more_ranks_than_gpus_is_gloo_on_cpu():
 
 
 def test_nccl_needs_one_gpu_per_rank():
-    with pytest.raises(dpc.ClusterError, match="needs one CUDA device per rank"):
+    with pytest.raises(ClusterError, match="needs one CUDA device per rank"):
         dpc.Cluster(world_size=gpus() + 1, backend="nccl")
 
 

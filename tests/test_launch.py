@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dpcourse import free_port
-from dpcourse.train import TrainConfig, train_single_process
+from dpcourse.pool.procs import free_port
+from dpcourse.train import TrainConfig
+from dpcourse.train.runner import train_single_process
 from conftest import kill_tree
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -95,7 +96,7 @@ def test_every_cli_option_says_its_meaning_choices_and_default():
 
 
 def test_resume_and_checkpoint_flags_parse():
-    from dpcourse.train import parse_args
+    from dpcourse.train.config import parse_args
 
     assert parse_args([]).resume is None
     assert parse_args(["--resume"]).resume == "latest"

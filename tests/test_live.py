@@ -6,7 +6,10 @@ import torch
 import torch.distributed as dist
 
 import dpcourse as dpc
-from dpcourse.collectives import Trace, bytes_sent_per_rank, expected_after, ring_reduce_scatter
+from dpcourse.collectives.cost import bytes_sent_per_rank
+from dpcourse.collectives.live import expected_after
+from dpcourse.collectives.ring import ring_reduce_scatter
+from dpcourse.collectives.trace import Trace
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -8,7 +8,10 @@ import pytest
 import dpcourse as dpc
 from dpcourse import models
 from dpcourse.memory import layout, ledger
+from dpcourse.memory.activations import activation_bytes
+from dpcourse.memory.fit import equal_units, fit_table
 from dpcourse.memory.ledger import AT_REST, LedgerError
+from dpcourse.memory.sizes import format_bytes, in_unit
 
 GB = 10**9
 ZERO = {"zero1": "P_os", "zero2": "P_os+g", "zero3": "P_os+g+p"}
@@ -148,14 +151,14 @@ def test_transformer_num_params_counts_the_real_module(shape):
     model = models.TinyTransformer(**shape)
     s = {**dict(vocab_size=64, d_model=32, n_layers=2, seq_len=16), **shape}
     expected = sum(p.numel() for p in model.parameters())
-    assert dpc.memory.transformer_num_params(s["n_layers"], s["d_model"], s["vocab_size"], s["seq_len"]) == expected
+    assert layout.transformer_num_params(s["n_layers"], s["d_model"], s["vocab_size"], s["seq_len"]) == expected
 
 
 def test_transformer_num_params_gpt2_small():
     """nanoGPT prints 'number of parameters: 123.65M' for GPT-2 small (12 layers, d 768,
     vocab 50257, context 1024, tied embeddings), a count that leaves out the 1024 x 768
     position embeddings."""
-    total = dpc.memory.transformer_num_params(12, 768, 50257, 1024, tied_embeddings=True)
+    total = layout.transformer_num_params(12, 768, 50257, 1024, tied_embeddings=True)
     assert round((total - 1024 * 768) / 1e6, 2) == 123.65
 
 
@@ -175,17 +178,17 @@ def test_activation_estimate_equals_memtracker(name, batch, sizes):
         loss = models.loss_fn(name, out, y)
         snapshot = tracker.get_tracker_snapshot()
     held = sum(v for dev in snapshot.values() for k, v in dev.items() if getattr(k, "value", "") in ("Activation", "Other"))
-    assert held == dpc.memory.activation_bytes(name, batch, **sizes)
+    assert held == activation_bytes(name, batch, **sizes)
     del out, loss
 
 
 def test_units_and_display():
-    assert dpc.memory.format_bytes(31_406_250_000, "GB") == "31.4 GB"
-    assert dpc.memory.format_bytes(2**30, "GiB") == "1 GiB"
-    assert dpc.memory.format_bytes(10**9, "GiB") == "0.931 GiB"
-    assert dpc.memory.in_unit(1.5 * 2**20, "MiB") == 1.5
+    assert format_bytes(31_406_250_000, "GB") == "31.4 GB"
+    assert format_bytes(2**30, "GiB") == "1 GiB"
+    assert format_bytes(10**9, "GiB") == "0.931 GiB"
+    assert in_unit(1.5 * 2**20, "MiB") == 1.5
     with pytest.raises(ValueError, match="GB = 10\\^9"):
-        dpc.memory.in_unit(1, "gigs")
+        in_unit(1, "gigs")
 
 
 @pytest.mark.parametrize("call,message", [
@@ -206,7 +209,7 @@ def test_bad_input_is_named_with_its_fix(call, message):
 
 def test_fit_table():
     psi, device = 7_500_000_000, 32 * GB
-    rows = {r["strategy"]: r for r in dpc.memory.fit_table(psi, 64, device, units=dpc.memory.fit.equal_units(psi, 32))}
+    rows = {r["strategy"]: r for r in fit_table(psi, 64, device, units=equal_units(psi, 32))}
     assert not rows["ddp"]["fits"] and rows["zero3"]["fits"] and rows["FULL_SHARD"]["fits"]
 
 
@@ -216,7 +219,7 @@ RULE = {False: ("ddp", "SHARD_GRAD_OP", "FULL_SHARD"), True: ("ddp", "HYBRID_SHA
 def first_that_fits(psi, world, device, acts, per_node=8):
     """The rule spelled out on the ledger: the first candidate whose peak fits, or "none"."""
     multi = world > per_node and world % per_node == 0
-    units = dpc.memory.fit.equal_units(psi, 32)
+    units = equal_units(psi, 32)
     for strategy in RULE[multi]:
         group = per_node if strategy == "HYBRID_SHARD" else None
         if ledger(psi, world, strategy, "mixed", units=units, shard_group_size=group,
@@ -235,14 +238,14 @@ CASES = {(1, 8, 10): "ddp", (7.5, 8, 10): "SHARD_GRAD_OP", (7.5, 8, 60): "FULL_S
 def test_recommend_follows_the_rule(case):
     billions, world, acts_gb = case
     psi, acts = int(billions * 1e9), int(acts_gb * GB)
-    units = dpc.memory.fit.equal_units(psi, 32)
+    units = equal_units(psi, 32)
     choice, why = dpc.memory.recommend(psi, world, 80 * GB, units=units, activation_bytes=acts)
     assert choice == CASES[case] == first_that_fits(psi, world, 80 * GB, acts), why
 
 
 def test_recommend_counts_activations_to_the_byte():
     """7.5B on 8 ranks: SHARD_GRAD_OP fits until the activations push its peak one byte over."""
-    psi, units = 7_500_000_000, dpc.memory.fit.equal_units(7_500_000_000, 32)
+    psi, units = 7_500_000_000, equal_units(7_500_000_000, 32)
     forward = ledger(psi, 8, "SHARD_GRAD_OP", "mixed", units=units).phases["forward"]
     room = 80 * GB - sum(forward.values())  # activations count in forward, beside everything else
     at = dpc.memory.recommend(psi, 8, 80 * GB, units=units, activation_bytes=room)[0]

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import dpcourse as dpc
+from dpcourse.memory.activations import activation_bytes
 from dpcourse.memory.ledger import AT_REST
 
 pytestmark = pytest.mark.timeout(300)
@@ -59,7 +60,7 @@ def _train(name, sizes, batch, strategy, options, precision="fp32"):
 def _measure(cluster, case, configs, precision="fp32"):
     name, sizes, batch = case
     model = dpc.models.build_model(name, **sizes)
-    acts = dpc.memory.activation_bytes(name, batch, **sizes)
+    acts = activation_bytes(name, batch, **sizes)
     out = {}
     for label, strategy, options in configs:
         memory = dpc.observe.Memory()

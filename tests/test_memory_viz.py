@@ -11,6 +11,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import dpcourse as dpc  # noqa: E402
+from dpcourse.memory.activations import activation_bytes  # noqa: E402
+from dpcourse.memory.ledger import AT_REST  # noqa: E402
 from dpcourse.viz import calculator, memory  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
@@ -36,7 +38,7 @@ def _train(strategy):
 def measure(cluster, strategies=("ddp", "FULL_SHARD")):
     """({name: Memory}, {name: [Ledger per rank]}) as the notebooks build them."""
     measured, theory = {}, {}
-    mlp, acts = dpc.models.build_model("mlp"), dpc.memory.activation_bytes("mlp", 4)
+    mlp, acts = dpc.models.build_model("mlp"), activation_bytes("mlp", 4)
     for name in strategies:
         measured[name] = dpc.observe.Memory()
         cluster.run(_train, name, observe=[measured[name]])
@@ -61,7 +63,7 @@ def test_bars_stack_theory_beside_measurement(measured):
         x = round(bar.get_x() + bar.get_width() / 2, 2)
         tops[x] = max(tops.get(x, 0), bar.get_y() + bar.get_height())
     mem, books = measured
-    expected = [(books[n][0].total, sum(mem[n].at_rest(0).get(c, 0) for c in dpc.memory.AT_REST)) for n in mem]
+    expected = [(books[n][0].total, sum(mem[n].at_rest(0).get(c, 0) for c in AT_REST)) for n in mem]
     assert sorted(tops) == [-0.2, 0.2, 0.8, 1.2]
     assert [tops[x] for x in sorted(tops)] == pytest.approx(
         [expected[0][0] / 1024, expected[0][1] / 1024, expected[1][0] / 1024, expected[1][1] / 1024])

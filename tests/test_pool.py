@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import dpcourse as dpc
+from dpcourse.pool.errors import ClusterError, RankDied, SerializationError
 from conftest import wait_gone
 
 pytestmark = pytest.mark.timeout(120)
@@ -98,7 +99,7 @@ def test_error_on_one_rank_while_others_wait_in_all_reduce(cluster4):
     assert isinstance(err.failures[2].exception, ValueError)
     assert 'raise ValueError("bad batch on rank 2")' in err.failures[2].traceback
     assert "waiting in the 1st all_reduce of this call" in str(err) and err.restarted
-    assert isinstance(err, dpc.ClusterError)
+    assert isinstance(err, ClusterError)
     start = time.monotonic()
     assert cluster4.run(lambda: dist.get_rank()) == [0, 1, 2, 3]
     assert time.monotonic() - start < 3.0
@@ -151,7 +152,7 @@ def test_rank_killed_during_a_call_is_reported_as_killed(cluster2):
             os.kill(os.getpid(), signal.SIGKILL)
         dist.all_reduce(torch.ones(1))
 
-    with pytest.raises(dpc.RankDied) as info:
+    with pytest.raises(RankDied) as info:
         cluster2.run(fn)
     assert "killed by signal 9 (SIGKILL)" in info.value.failures[1].summary
     assert cluster2.run(lambda: dist.get_rank()) == [0, 1]
@@ -183,11 +184,11 @@ def test_interrupt_stops_the_ranks_and_keeps_the_pool(cluster2):
 
 def test_unpicklable_argument_function_and_result_are_named(cluster2):
     lock = threading.Lock()
-    with pytest.raises(dpc.SerializationError, match="positional argument 1"):
+    with pytest.raises(SerializationError, match="positional argument 1"):
         cluster2.run(lambda a, b: None, 1, lock)
-    with pytest.raises(dpc.SerializationError, match="keyword argument 'k'"):
+    with pytest.raises(SerializationError, match="keyword argument 'k'"):
         cluster2.run(lambda k: None, k=lock)
-    with pytest.raises(dpc.SerializationError, match="the function"):
+    with pytest.raises(SerializationError, match="the function"):
         cluster2.run(lambda: lock)
     with pytest.raises(dpc.RankError, match="cannot be pickled"):
         cluster2.run(lambda: threading.Lock())
@@ -196,15 +197,15 @@ def test_unpicklable_argument_function_and_result_are_named(cluster2):
 
 @pytest.mark.parametrize("world_size", [0, -1, 2.5, "2", True, None])
 def test_bad_world_size(world_size):
-    with pytest.raises(dpc.ClusterError, match="world_size must be a whole number"):
+    with pytest.raises(ClusterError, match="world_size must be a whole number"):
         dpc.Cluster(world_size=world_size)
 
 
 def test_bad_backend_requests():
-    with pytest.raises(dpc.ClusterError, match="'auto', 'gloo' or 'nccl'"):
+    with pytest.raises(ClusterError, match="'auto', 'gloo' or 'nccl'"):
         dpc.Cluster(world_size=1, backend="mpi")
     if torch.cuda.device_count() < 64:
-        with pytest.raises(dpc.ClusterError, match="needs one CUDA device per rank.*backend='gloo'"):
+        with pytest.raises(ClusterError, match="needs one CUDA device per rank.*backend='gloo'"):
             dpc.Cluster(world_size=64, backend="nccl")
 
 
@@ -214,7 +215,7 @@ def test_port_in_use_is_a_clear_error():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
-        with pytest.raises(dpc.ClusterError, match="in use.*master_port=None"):
+        with pytest.raises(ClusterError, match="in use.*master_port=None"):
             dpc.Cluster(world_size=1, master_port=s.getsockname()[1])
 
 
@@ -225,7 +226,7 @@ def test_run_after_shutdown_and_double_shutdown():
     cluster.shutdown()
     cluster.shutdown()
     assert wait_gone(pids) == []
-    with pytest.raises(dpc.ClusterError, match="shut down"):
+    with pytest.raises(ClusterError, match="shut down"):
         cluster.run(lambda: None)
     with pytest.raises(TypeError, match="needs a function"):
         dpc.Cluster.run(cluster, 42)
@@ -247,7 +248,7 @@ def test_a_crashing_rank_shows_its_python_stack(cluster2):
             ctypes.string_at(0)  # reads address 0: SIGSEGV
         dist.barrier()
 
-    with pytest.raises(dpc.RankDied) as info:
+    with pytest.raises(RankDied) as info:
         cluster2.run(crash_in_native_code)
     report = info.value.failures[0]
     assert "killed by signal 11 (SIGSEGV)" in report.summary
@@ -260,7 +261,7 @@ def test_killing_the_launcher_takes_the_ranks_with_it_and_says_so():
     ranks = cluster.pids
     os.kill(cluster.launcher_pid, signal.SIGKILL)
     assert wait_gone(ranks, 10) == []  # their death signal fired
-    with pytest.raises(dpc.ClusterError, match="launcher process ended.*create a new Cluster"):
+    with pytest.raises(ClusterError, match="launcher process ended.*create a new Cluster"):
         cluster.run(lambda: None)
     cluster.shutdown()
 

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 import dpcourse as dpc
+from dpcourse.pool.errors import RankDied
 from dpcourse.exercises import torchrun
 from dpcourse.observe import comm as comm_module
 from dpcourse.pool import rank as rank_module
@@ -81,7 +82,7 @@ def test_a_killed_ranks_peak_comes_from_wait4(cluster2):
             os.kill(os.getpid(), signal.SIGKILL)
         return float(keep[0])
 
-    with pytest.raises(dpc.RankDied) as info:
+    with pytest.raises(RankDied) as info:
         cluster2.run(hold, 96 * 2**20)
     summary = info.value.failures[1].summary
     peak = cluster2._launcher.peaks[victim]

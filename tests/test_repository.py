@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import glob
+import importlib
 import json
 import re
 import subprocess
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dpcourse import free_port
+from dpcourse.pool.procs import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -80,6 +81,36 @@ def test_notebooks_are_valid_nbformat():
     books = glob.glob(str(ROOT / "notebooks" / "**" / "*.ipynb"), recursive=True)
     for book in books:
         nbformat.validate(nbformat.read(book, as_version=4))
+
+
+def _readme_table() -> set[str]:
+    """The names of the README's table "The package, name by name", as written: ``dpc.viz.Panel``."""
+    table = (ROOT / "README.md").read_text().split("## The package, name by name", 1)[1].split("\n## ", 1)[0]
+    return set(re.findall(r"^\| `(dpc\.[\w.]+)`", table, re.M))
+
+
+def test_the_rooms_export_the_readme_table_and_nothing_else():
+    """Each room of the table (``dpc``, ``dpc.viz``, ...) lists in ``__all__`` exactly its names
+    of the table, and re-exports no other name of the package: the rest is imported from its
+    module (``from dpcourse.collectives.cost import num_steps``)."""
+    listed = _readme_table()
+    assert len(listed) >= 30, sorted(listed)  # the table was found and read
+    rooms = {name.rsplit(".", 1)[0] for name in listed}
+    exported, hidden = set(), []
+    for room in sorted(rooms):
+        module = importlib.import_module(room.replace("dpc", "dpcourse", 1))
+        names = getattr(module, "__all__", None)
+        assert names is not None, f"{module.__name__} has no __all__"
+        exported |= {f"{room}.{name}" for name in names}
+        assert all(hasattr(module, name) for name in names), f"{module.__name__}.__all__ names a missing name"
+        for name, value in vars(module).items():  # a class or function of another module, not listed
+            home = getattr(value, "__module__", None)
+            if (not name.startswith("_") and name not in names and not isinstance(value, type(module))
+                    and isinstance(home, str) and home.startswith("dpcourse.") and home != module.__name__):
+                hidden.append(f"{module.__name__}.{name} (from {home})")
+    assert exported == listed, (f"exported but not in the README's table: {sorted(exported - listed)}; "
+                                f"in the table but not exported: {sorted(listed - exported)}")
+    assert not hidden, f"re-exported without being in __all__: {hidden}"
 
 
 def test_readme_course_command_serves_the_notebooks():

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 import dpcourse as dpc
+from dpcourse.pool.errors import ClusterError, RankDied
 from dpcourse.backends import GPU_BACKEND, BackendError, choose_backend
 from conftest import kill_tree
 
@@ -149,7 +150,7 @@ def test_exit_codes_hangs_and_errors_of_scripts(cluster2, tmp_path):
     with pytest.raises(dpc.RankError, match=r"ValueError: bad argument --lr") as info:
         cluster2.run_script(raises, "--lr", 0.1)
     assert "raises.py" in info.value.failures[0].traceback
-    with pytest.raises(dpc.ClusterError, match="cannot read the script"):
+    with pytest.raises(ClusterError, match="cannot read the script"):
         cluster2.run_script(tmp_path / "missing.py")
     assert cluster2.run(lambda: dist.get_world_size()) == [2, 2]
 
@@ -260,7 +261,7 @@ def test_a_rank_killed_with_high_memory_is_reported_as_likely_oom(cluster2, monk
     import threading
 
     threading.Timer(1.5, os.kill, (victim, signal.SIGKILL)).start()  # a rank this test started
-    with pytest.raises(dpc.RankDied) as info:
+    with pytest.raises(RankDied) as info:
         cluster2.run(hold_memory, timeout=60)
     summary = info.value.failures[1].summary
     assert "killed by signal 9 (SIGKILL)" in summary and "resident at its peak" in summary

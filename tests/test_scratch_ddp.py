@@ -7,7 +7,9 @@ import torch.distributed as dist
 
 import dpcourse as dpc
 from _training import parameters_around_backward, reference_steps, train_steps
-from dpcourse.scratch import OverlapDDP
+from dpcourse.scratch.bucketed import assign_buckets
+from dpcourse.scratch.ddp import OverlapDDP
+from dpcourse.scratch.zero import ShardedOptimizer
 from dpcourse.train import TrainConfig
 
 pytestmark = pytest.mark.timeout(180)
@@ -121,7 +123,7 @@ def test_sharded_optimizer_is_the_unsharded_optimizer(request, world):
 
 
 def _sharded_state(optimizer_name):
-    from dpcourse.scratch import BucketedDDP, ShardedOptimizer
+    from dpcourse.scratch import BucketedDDP
 
     model = BucketedDDP(dpc.models.build_model("mlp", d_hidden=30, depth=3))
     cls = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[optimizer_name]
@@ -257,7 +259,7 @@ def test_torch_ddp_starts_with_one_bucket_then_rebuilds_with_a_small_first_one(c
     first, second, third = cluster2.run(_torch_ddp_buckets, cfg, 3)[0]
     params = list(dpc.models.build_model("transformer", d_model=128, n_layers=4).named_parameters())[::-1]
     assert len(first) == 1 and set(first[0]) == {n for n, _ in params}
-    plan = dpc.scratch.assign_buckets([p.numel() for _, p in params], [4] * len(params), 25,
+    plan = assign_buckets([p.numel() for _, p in params], [4] * len(params), 25,
                                       first_bucket_cap_mb=1)
     assert len(plan) == 2 and sum(params[i][1].numel() for i in plan[0]) * 4 >= 2**20
     assert [set(b) for b in second] == [{params[i][0] for i in b} for b in plan] == [set(b) for b in third]

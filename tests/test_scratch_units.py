@@ -7,8 +7,9 @@ import torch.distributed as dist
 
 import dpcourse as dpc
 from dpcourse.collectives.cost import ring_all_reduce_seconds
-from dpcourse.scratch import ThreadedDataParallel, assign_buckets
-from dpcourse.scratch.threaded_dp import DP_DEVICE_BYTES
+from dpcourse.scratch import ThreadedDataParallel
+from dpcourse.scratch.bucketed import assign_buckets
+from dpcourse.scratch.threaded_dp import DP_DEVICE_BYTES, measure_speedup
 from dpcourse.observe.events import (Event, exposed_seconds, from_lists, hidden_fraction, intersection, total,
                                      union)
 from dpcourse.viz.timeline import stack_rows
@@ -152,7 +153,7 @@ def test_drawings_show_every_event_and_sweep_row():
 def test_measure_speedup_reports_both_ways_of_running_the_replicas():
     x, y = torch.randn(8, 32), torch.randn(8, 8)
     threads_before = torch.get_num_threads()
-    r = dpc.scratch.measure_speedup(lambda: dpc.models.build_model("mlp"), x, y,
+    r = measure_speedup(lambda: dpc.models.build_model("mlp"), x, y,
                                     torch.nn.functional.mse_loss, steps=1, rounds=1)
     assert r["threads"] > 0 and r["sequential"] > 0 and r["num_devices"] == 2
     assert r["speedup"] == pytest.approx(r["sequential"] / r["threads"])

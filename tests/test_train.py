@@ -8,7 +8,11 @@ import torch
 
 import dpcourse as dpc
 from dpcourse import RankError
-from dpcourse.train import ConfigError, TrainConfig, checkpoint, train, train_single_process
+from dpcourse.memory.activations import activation_bytes
+from dpcourse.memory.ledger import AT_REST
+from dpcourse.train import TrainConfig, checkpoint, train
+from dpcourse.train.config import ConfigError
+from dpcourse.train.runner import train_single_process
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -212,10 +216,10 @@ def test_runner_memory_at_rest_equals_the_ledger_on_every_rank(cluster4, options
     cluster4.run(train, cfg, observe=[memory, timeline])
     strategy, extra = _ledger_strategy(cfg)
     model = dpc.models.build_model(cfg.model)
-    acts = dpc.memory.activation_bytes(cfg.model, cfg.batch_size)
+    acts = activation_bytes(cfg.model, cfg.batch_size)
     for rank in range(4):
         book = dpc.memory.ledger(model, 4, strategy, optimizer=cfg.optimizer, rank=rank, activation_bytes=acts, **extra)
         held = memory.at_rest(rank)
-        assert {c: held.get(c, 0) for c in dpc.memory.AT_REST} == {c: book.bytes[c] for c in dpc.memory.AT_REST}, rank
+        assert {c: held.get(c, 0) for c in AT_REST} == {c: book.bytes[c] for c in AT_REST}, rank
         assert 0.85 * book.peak <= memory.peak(rank)[0] <= 1.1 * book.peak, (rank, memory.peak(rank), book.peak)
         assert len(timeline.step_seconds(rank)) == cfg.steps and len(timeline.step_seconds(rank, cpu=True)) == cfg.steps

@@ -24,8 +24,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..collectives import (Trace, busbw, bytes_sent_per_rank, fast_ring_all_reduce, naive_all_reduce,
-                           ring_all_reduce, whole_ring_all_reduce)
+from ..collectives.cost import busbw, bytes_sent_per_rank
+from ..collectives.fast_ring import fast_ring_all_reduce
+from ..collectives.naive import naive_all_reduce, whole_ring_all_reduce
+from ..collectives.ring import ring_all_reduce
+from ..collectives.trace import Trace
 from ..collectives.checks import check_same_size
 from ..observe.comm import wire_bytes_written
 from ..pool import Cluster

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import time
 
-from ..memory import AT_REST, activation_bytes, ledger
+from ..memory import ledger
+from ..memory.activations import activation_bytes
+from ..memory.ledger import AT_REST
 from ..memory.sizes import format_bytes
 from ..models import build_model
 from ..observe import Memory

@@ -22,7 +22,9 @@ import torch
 from ..models import build_model, wrap_classes
 from ..observe import Timeline
 from ..pool import Cluster
-from ..scratch import BucketedDDP, MiniFSDP, NaiveDDP, OverlapDDP, ShardedOptimizer
+from ..scratch import BucketedDDP, MiniFSDP, NaiveDDP
+from ..scratch.ddp import OverlapDDP
+from ..scratch.zero import ShardedOptimizer
 from ..scratch.threaded_dp import measure_speedup
 from ..train import TrainConfig, train
 

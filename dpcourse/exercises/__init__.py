@@ -19,7 +19,6 @@ import os
 from .exercise_a import check_a
 from .exercise_d import check_d
 from .exercise_f import check_f
-from .report import Item, Report
 from .selfcheck import check_answer
 
 # files in solutions/: A's and F's are complete scripts, conversions of starters/train_lm.py
@@ -60,5 +59,5 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["Item", "Report", "check_a", "check_b", "check_c", "check_d", "check_e", "check_answer", "check_f",
+__all__ = ["check_a", "check_b", "check_c", "check_d", "check_e", "check_answer", "check_f",
            "solution"]

@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from .. import memory, models
+from ..memory.ledger import AT_REST
 from ..observe import Comm, Memory
 from . import setups
 from .ranks import RankFailure, blanks_in, clusters_for, run_or_failure
@@ -77,7 +78,7 @@ def check_c(configs: dict, predict, cluster=None, timeout: float = 180.0) -> Rep
         report.add(name, ok, detail)
     books = {n: _ledger(model, api)[n] for n, (_, _, api) in runs.items()} if runs else {}
     books = {**_ledger(model), **books}
-    measured = {n: {"at_rest": sum(h.at_rest(0).get(c, 0) for c in memory.AT_REST), "peak": h.peak(0)[0],
+    measured = {n: {"at_rest": sum(h.at_rest(0).get(c, 0) for c in AT_REST), "peak": h.peak(0)[0],
                     "sent_per_step": sum(c.bytes(rank=0, step=-1).values())} for n, (h, c, _) in runs.items()}
     figures, problem = _figures(predict, models.unit_numels(model))
     judged = {}  # the configurations whose figures were judged: name -> its figures
@@ -292,7 +293,7 @@ def _machine(runs: dict, books: dict) -> str:
     give the orderings away). Reported, never judged."""
     lines = []
     for name, (held, _, _) in runs.items():
-        rest = sum(held.at_rest(0).get(c, 0) for c in memory.AT_REST)
+        rest = sum(held.at_rest(0).get(c, 0) for c in AT_REST)
         exact = "equal to" if rest == sum(books[name].at_rest().values()) else "not equal to"
         off = held.peak(0)[0] / books[name].peak - 1
         lines.append(f"{name}: at rest {exact} the ledger's, peak {abs(off):.0%} {'above' if off > 0 else 'below'} it")

@@ -3,7 +3,7 @@
     report = dpc.exercises.check_d(ring_reduce_scatter, ring_all_gather)
     dpc.viz.plot_ring_trace(report.trace)     # your own sends, replayed step by step
 
-The learner's two functions (same contract as ``dpc.collectives.ring_reduce_scatter`` /
+The learner's two functions (same contract as ``dpc.collectives.ring.ring_reduce_scatter`` /
 ``ring_all_gather``: in place on a contiguous tensor, chunk r as ``tensor_split`` cuts it)
 run on real ranks for N = 2, 3, 4, 5 on awkward sizes (empty, fewer elements than ranks,
 not divisible by N). Inputs are integers stored as float32, so sums are exact and results

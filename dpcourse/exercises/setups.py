@@ -10,7 +10,8 @@ the learner's runs in the kernel.
 """
 from __future__ import annotations
 
-from ..train import TrainConfig, train, train_single_process
+from ..train import TrainConfig, train
+from ..train.runner import train_single_process
 
 STEPS, BATCH, LR = 3, 8, 1e-3   # Adam steps, samples per rank per step, learning rate
 WEIGHTS_ATOL = 1e-5            # fp32 data parallelism reproduces one process to float rounding

@@ -5,15 +5,12 @@
     dpc.memory.recommend(num_params, world_size, device_bytes)    # the course's rule
 
 What a rank really holds is measured by ``dpc.observe.Memory``; the notebooks and tests put
-the two side by side. Modules: ledger, layout (units and shards), transients (what a step
-adds), activations (a formula for the demo models), fit (what fits, the rule), sizes.
+the two side by side. Modules, whose other names are imported from them: ledger (``Ledger``,
+``AT_REST``, ...), layout (units and shards), transients (what a step adds), activations (a
+formula for the demo models), fit (what fits, the rule: ``fit_table``), sizes (``format_bytes``).
 """
-from . import activations, fit, layout, sizes, transients
-from .activations import activation_bytes
-from .fit import fit_table, recommend
-from .layout import transformer_num_params
-from .ledger import AT_REST, CATEGORIES, STRATEGIES, TRANSIENT, Ledger, LedgerError, ledger
-from .sizes import format_bytes, in_unit
+from .fit import recommend
+# the function, which hides its module here (``from dpcourse.memory.ledger import Ledger`` still finds it)
+from .ledger import ledger
 
-__all__ = ["AT_REST", "CATEGORIES", "STRATEGIES", "TRANSIENT", "Ledger", "LedgerError", "activation_bytes",
-           "fit_table", "format_bytes", "in_unit", "ledger", "recommend", "transformer_num_params"]
+__all__ = ["ledger", "recommend"]

@@ -18,9 +18,9 @@ function itself has no measuring line in it; the ranks' results come back to the
 observer. The same observers run around ``python -m dpcourse.train --measure ...``. Steps
 are counted at ``optimizer.step()`` (``watch.LoopWatch``).
 """
-from .comm import Comm, CommRecord
+from .comm import Comm
 from .memory import Memory
 from .saved import Activations
 from .timeline import Timeline
 
-__all__ = ["Activations", "Comm", "CommRecord", "Memory", "Timeline"]
+__all__ = ["Activations", "Comm", "Memory", "Timeline"]

@@ -12,9 +12,14 @@ functions instead: a ring calls them by the hundred, and a Python kernel in the 
 tripled the time of a small isend/irecv pair here (1.0 ms against 0.4 ms), while a plain
 wrapper costs microseconds.
 
-The point-to-point wrappers are the one runtime patch of ``torch.distributed`` the pool
-makes (nothing public sees a ``dist.isend`` before it reaches the backend): ``calls()``
-installs them for one call and restores the real functions after it, so nothing stacks.
+The point-to-point wrappers rebind ``torch.distributed``'s functions, because nothing public
+sees a ``dist.isend`` before it reaches the backend. They are one of the pool's two runtime
+patches of ``torch.distributed``; the other is ``group.py``'s guard on
+``init_process_group``/``destroy_process_group`` (no hook there either). Both are installed
+for one call and the real functions restored after it, so nothing stacks; a wrapper is
+recognised by a marker attribute, so a nested install is a no-op. (The exercise checkers
+patch more, each for one check: ``exercises/observe.py`` in the torchrun workers a checker
+starts, a few try-it checks around one run.)
 
 A collective is *issued* when its operator returns and *in progress* until its ``Work``
 completes: Gloo and NCCL run collectives in the background, and a rank blocks later, in
@@ -44,8 +49,8 @@ from dataclasses import dataclass
 
 from ..torch_private import below_autograd, boxed_type_name, source_rank
 
-# c10d operator -> the collective's name in torch.distributed (one table for the package:
-# the byte meter, dpcourse.collectives.meter, reads it too).
+# c10d operator -> the collective's name in torch.distributed (one table for the package: the
+# observers read the name from it, as ``Issued.collective``).
 C10D_OPS = {
     "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce",
     "broadcast_": "broadcast", "reduce_": "reduce",

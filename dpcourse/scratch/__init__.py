@@ -10,13 +10,11 @@ Each wrapper's file is only its algorithm. The DDPs expose ``grad_ready(param)``
 change one step; measurement attaches from outside (``dpc.observe``), as it does to
 PyTorch's DDP and FSDP. Each runs on real ranks and is checked against PyTorch's own and
 against single-process training (the notebooks and ``tests/test_scratch_*.py``). Modules:
-threaded_dp, ddp, bucketed, zero, flat, fsdp. None of them imports the training runner.
+threaded_dp, ddp (``OverlapDDP`` too), bucketed, zero (``ShardedOptimizer``), flat, fsdp; a name
+the notebooks do not use is imported from its module. None of them imports the training runner.
 """
-from .bucketed import Bucket, BucketManager, assign_buckets
-from .ddp import BucketedDDP, NaiveDDP, OverlapDDP, broadcast_module
+from .ddp import BucketedDDP, NaiveDDP
 from .fsdp import MiniFSDP
-from .threaded_dp import ThreadedDataParallel, measure_speedup
-from .zero import ShardedOptimizer
+from .threaded_dp import ThreadedDataParallel
 
-__all__ = ["Bucket", "BucketManager", "BucketedDDP", "MiniFSDP", "NaiveDDP", "OverlapDDP", "ShardedOptimizer",
-           "ThreadedDataParallel", "assign_buckets", "broadcast_module", "measure_speedup"]
+__all__ = ["BucketedDDP", "MiniFSDP", "NaiveDDP", "ThreadedDataParallel"]

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+__all__ = ["path"]
+
 NAMES = ("train_single", "train_ddp", "train_fsdp")
 
 

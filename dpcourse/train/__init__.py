@@ -6,10 +6,11 @@
 
 It is what ``launch/`` starts and what 4.2d's faults lesson kills and resumes: periodic
 checkpoints that are complete or absent, ``--resume auto`` for torchrun's restarts.
-Measurement attaches from outside, with ``dpc.observe``'s observers.
+Measurement attaches from outside, with ``dpc.observe``'s observers. The other names are
+imported from their modules: config (``ConfigError``, ``parse_args``), runner (``main``,
+``train_single_process``, the single-process reference the tests compare against).
 """
-from .config import ConfigError, TrainConfig, parse_args
-from .runner import build, full_model_state, main, train, train_single_process
+from .config import TrainConfig
+from .runner import train
 
-__all__ = ["ConfigError", "TrainConfig", "build", "full_model_state", "main", "parse_args", "train",
-           "train_single_process"]
+__all__ = ["TrainConfig", "train"]

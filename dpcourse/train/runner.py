@@ -1,7 +1,11 @@
 """One training loop for every strategy, run on each rank of an initialised process group.
 
 The same function runs under ``torchrun`` (``python -m dpcourse.train``) and on the
-notebook's ranks (``cluster.run(dpc.train.train, cfg)``); it never depends on the latter.
+notebook's ranks (``cluster.run(dpc.train.train, cfg)``); it needs no cluster. What it takes
+from the pool's room runs in any process: ``main`` arms the pool's death signal
+(``pool.rank.set_death_signal``) so a torchrun worker dies with its agent, and ``--measure``'s
+observers listen to the pool's collective tracker (``pool.tracker``).
+
 What a correct DDP/FSDP script does, it does visibly: a ``DistributedSampler`` with
 ``set_epoch``, identical initial weights, logging and saving on rank 0 only, checkpoints
 through DCP, and the loss averaged over ranks (the loss of the global batch).

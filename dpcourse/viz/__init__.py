@@ -6,14 +6,12 @@ that record a new trace on request (``RingPlayer``), and ``cluster_status``, whi
 cluster's state.
 """
 from .calculator import MemoryCalculator
-from .collectives import draw_collective, draw_collectives
-from .colors import rank_color
+from .collectives import draw_collectives
 from .memory import plot_memory
-from .panel import Experiment, Panel
-from .ring import RingPlayer, draw_frame, plot_ring_trace, render_frame_png
+from .panel import Panel
+from .ring import RingPlayer, plot_ring_trace
 from .status import cluster_status
 from .timeline import draw_bucket_sweep, draw_timeline
 
-__all__ = ["Experiment", "MemoryCalculator", "Panel", "RingPlayer", "cluster_status",
-           "draw_bucket_sweep", "draw_collective", "draw_collectives", "draw_frame", "draw_timeline",
-           "plot_memory", "plot_ring_trace", "rank_color", "render_frame_png"]
+__all__ = ["MemoryCalculator", "Panel", "RingPlayer", "cluster_status", "draw_bucket_sweep", "draw_collectives",
+           "draw_timeline", "plot_memory", "plot_ring_trace"]

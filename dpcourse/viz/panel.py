@@ -54,17 +54,6 @@ def _close_pyplot(figure) -> None:
         plt.close(figure)
 
 
-def new_figure(width: float, height: float):
-    """A matplotlib Figure of ``width`` x ``height`` inches that pyplot does not know about: a
-    widget callback's figure must not pop up again under the next cell that runs."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(width, height))
-    FigureCanvasAgg(fig)
-    return fig
-
-
 def figure_png(fig, dpi: int = 90) -> bytes:
     """``fig`` as PNG bytes (``dpi`` pixels per inch, trimmed to what is drawn)."""
     buf = io.BytesIO()
