@@ -252,7 +252,7 @@ def test_the_calculators_are_found_in_every_spelling_without_running_the_formula
     assert found == {"direct": "dpc.memory.ledger", "aliased": "dpc.memory.ledger", "imported": "dpc.memory.ledger",
                      "sent": "dpc.collectives.step_bytes", "rule": "dpc.memory.recommend",
                      "via_helper": "dpc.memory.ledger", "closure": "dpc.memory.ledger",
-                     "result": "a result of dpc.memory.Ledger", "comprehension": "dpc.collectives.step_bytes",
+                     "result": "a Ledger made by the course's calculators (dpc.memory.ledger)", "comprehension": "dpc.collectives.step_bytes",
                      "honest": None, "uses_models": None}
 
 

@@ -183,7 +183,7 @@ def _calculator(obj, attributes: set, depth: int = 0) -> str | None:
         return None
     if module.startswith(CALCULATOR_MODULES) or getattr(obj, "__name__", None) in CALCULATOR_NAMES:
         if not callable(obj):  # a Ledger or another result of a calculator
-            return f"a result of {_public_name(type(obj))}"
+            return f"a {type(obj).__name__} made by the course's calculators ({type(obj).__module__.replace('dpcourse', 'dpc', 1)})"
         return _public_name(obj)
     return None
 
