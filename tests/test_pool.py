@@ -83,7 +83,18 @@ def test_output_is_streamed_with_rank_labels(cluster2, capfd):
     assert "progress 10%" not in out
 
 
+def _spares_settled(cluster, timeout: float = 120.0) -> None:
+    """Spawn mode: wait until the oldest spare generation has imported torch. A failure before
+    that waits for its import (on a busy 2-core machine, seconds): tests/test_start_method.py
+    tests that case; here the restart itself is timed. Fork mode keeps no spares."""
+    deadline = time.monotonic() + timeout
+    while cluster._spares and not cluster._spares[0].warm() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def test_error_on_one_rank_while_others_wait_in_all_reduce(cluster4):
+    _spares_settled(cluster4)
+
     def fn():
         if dist.get_rank() == 2:
             raise ValueError("bad batch on rank 2")
