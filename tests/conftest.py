@@ -77,3 +77,40 @@ def _cluster_fixture(world_size: int):
 
 
 cluster2, cluster3, cluster4, cluster5 = (_cluster_fixture(n) for n in (2, 3, 4, 5))
+
+
+# --- tiers and order ----------------------------------------------------------------------
+# `pytest -m "not slow"` is the fast tier: every room's own tests, in a few minutes, to run
+# while working. `slow` marks what runs a whole notebook, a browser, torchrun, an exercise's
+# checker end to end, or waits on purpose (deadlocks, faults); `.ci/run` runs both tiers.
+SLOW_FILES = {
+    "test_browser.py", "test_exercise_f.py", "test_exercises.py", "test_exercises_bc.py",
+    "test_exercises_de.py", "test_exercise_notebooks.py", "test_launch.py",
+    "test_deadlock.py", "test_faults.py", "test_script_isolation.py", "test_start_method.py",
+    "test_run_script.py", "test_scratch_ddp.py", "test_kernel.py", "test_at_work.py",
+    "test_notebook_peaks.py", "test_soak.py", "test_scripts.py",
+}
+
+# Under `-n 2 --dist loadfile` a file runs on one worker from start to end: the longest start
+# first, so that none of them is left to run alone at the end (seconds, measured on a 2-core
+# machine running two workers; a file not named here is short and keeps its place).
+LONGEST_FIRST = {
+    "test_browser.py": 900, "test_exercise_f.py": 600, "4.2d-launching-faults-and-pitfalls.ipynb": 500,
+    "test_exercises.py": 480, "test_exercises_bc.py": 430, "4.2a-communication-and-ddp.ipynb": 400,
+    "test_launch.py": 390, "4.2e-ddp-and-fsdp-at-work.ipynb": 380, "test_deadlock.py": 370,
+    "4.2b-fsdp.ipynb": 330, "test_faults.py": 320, "4.2c-large-models.ipynb": 300,
+    "4.1b-ring-fsdp-and-memory.ipynb": 250, "4.1a-data-parallelism-in-depth.ipynb": 200,
+    "test_exercises_de.py": 190, "test_script_isolation.py": 170, "test_start_method.py": 170,
+    "test_scratch_ddp.py": 150, "test_run_script.py": 140, "test_grade.py": 135,
+}
+
+
+def is_slow(path) -> bool:
+    return path.suffix == ".ipynb" or path.name in SLOW_FILES
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if is_slow(item.path):
+            item.add_marker(pytest.mark.slow)
+    items.sort(key=lambda item: -LONGEST_FIRST.get(item.path.name, 0))  # stable: a file's order kept

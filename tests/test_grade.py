@@ -22,6 +22,7 @@ def grade(*args) -> subprocess.CompletedProcess:
                           text=True, timeout=560)
 
 
+@pytest.mark.slow
 def test_the_six_exercises_as_shipped_are_not_attempted():
     done = grade(EXERCISES, "--json")
     assert done.returncode == 0, done.stderr[-2000:]
@@ -32,6 +33,7 @@ def test_the_six_exercises_as_shipped_are_not_attempted():
         assert [r["attempted"] for r in result["reports"]] == [False], result
 
 
+@pytest.mark.slow
 def test_a_filled_notebook_passes_and_a_broken_or_hanging_one_does_not_stop_the_others(tmp_path):
     nb = nbformat.read(EXERCISES / "E-bucketed-ddp.ipynb", as_version=4)
     cell = next(c for c in nb.cells if c.cell_type == "code" and "class MyBucketedDDP" in c.source)

@@ -29,7 +29,7 @@ def test_readme_quick_start_is_two_commands_that_install_the_cpu_torch_first():
     for cmd in (open_course, run_tests):
         assert cmd.index("pip install torch==2.13.0") < cmd.index('pip install -e ".[dev]"')
     assert open_course.endswith("jupyter lab --allow-root notebooks/")
-    assert run_tests.endswith("python -m pytest")
+    assert run_tests.endswith("python -m pytest -n 2")  # everything, two workers (pyproject: --dist loadfile)
 
 
 def test_ci_runs_the_readme_test_command():
@@ -141,3 +141,21 @@ def test_readme_course_command_serves_the_notebooks():
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait()
+
+
+def test_the_fast_tier_covers_every_room():
+    """Every room of the package and every module beside them is used by a test file of the
+    fast tier (`pytest -m "not slow"`), so that tier says something about each."""
+    from conftest import is_slow
+
+    package = ROOT / "dpcourse"
+    rooms = {p.name for p in package.iterdir() if (p / "__init__.py").exists()}
+    rooms |= {p.stem for p in package.glob("*.py") if p.stem != "__init__"}
+    covered = set()
+    for test in (ROOT / "tests").glob("test_*.py"):
+        if is_slow(test):
+            continue
+        text = test.read_text()
+        covered |= {room for room in rooms
+                    if re.search(rf"\b(dpcourse|dpc)\.{room}\b|from dpcourse import [^\n]*\b{room}\b", text)}
+    assert rooms <= covered, f"rooms no fast test file uses: {sorted(rooms - covered)}"
