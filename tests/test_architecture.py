@@ -91,9 +91,6 @@ def test_leaf_rooms_import_no_other_room():
 MAX_FUNCTION_LINES = 60
 # The scripts a learner reads whole (each one stands alone, so they repeat each other on purpose).
 TEACHING = ("scripts/", "exercises/starters/", "exercises/solutions/")
-# Functions over the limit in modules being rewritten as a whole; each is split there, then
-# taken off this list (the test fails on an entry that is no longer too long).
-WAITING_FOR_A_SPLIT = {"memory/ledger.py::ledger", "bench/pool.py::main"}
 
 
 def package_sources() -> dict[str, str]:
@@ -125,16 +122,9 @@ def repeated_windows(sources: dict[str, str], size: int = 6) -> list[list[tuple[
 
 
 def test_no_function_is_over_60_lines():
-    too_long, waiting = [], set()
-    for rel, source in package_sources().items():
-        for name, lines in long_functions(source).items():
-            key = f"{rel}::{name}"
-            if key in WAITING_FOR_A_SPLIT:
-                waiting.add(key)
-            else:
-                too_long.append(f"{key} ({lines} lines)")
+    too_long = [f"{rel}::{name} ({lines} lines)" for rel, source in package_sources().items()
+                for name, lines in long_functions(source).items()]
     assert not too_long, f"functions over {MAX_FUNCTION_LINES} lines: split them into named steps: {too_long}"
-    assert waiting == WAITING_FOR_A_SPLIT, f"split now, take off the list: {WAITING_FOR_A_SPLIT - waiting}"
 
 
 def test_no_six_lines_stand_twice_in_the_package():

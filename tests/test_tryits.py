@@ -1,7 +1,8 @@
 """The try-it cells of the chapters: as shipped each check says "not attempted yet"; filled
 with its reference (the cell's ``metadata["dpcourse"]["solution"]``, the package's file) it
 passes; filled with each typical mistake it fails, naming a behaviour and never a line of the
-reference; correct answers that look different pass. Counted too: how many of the 26 APIs
+reference; correct answers that look different pass; an answer that raises fails "runs on
+every rank" and leaves the other items unjudged. Counted too: how many of the 26 APIs
 the learner writes in a try-it (in the reference, not in the cell as given)."""
 from __future__ import annotations
 
@@ -113,6 +114,18 @@ def test_a_starter_with_a_bare_ellipsis_is_not_attempted_and_an_index_ellipsis_i
     exec(compile(src, filename, "exec"), namespace)
     from dpcourse.exercises.ranks import blanks_in
     assert blanks_in(namespace["f"]) == 1 and blanks_in(namespace["g"]) == 0
+
+
+def _raises(*args, **kwargs):
+    raise ValueError("raised by the answer")
+
+
+def test_an_answer_that_raises_fails_its_first_item_and_leaves_the_others_unjudged(cluster2):
+    for _, _, _, (chapter, name, _) in TRY_ITS:
+        report = dpc.exercises.check_answer(chapter, name, _raises, cluster2)
+        first, *others = report.items
+        assert first.status == "fail" and first.name.startswith("runs on every rank") and first.detail, str(report)
+        assert others and all(i.status == "skip" and i.detail for i in others), str(report)
 
 
 @pytest.mark.parametrize("try_it", TRY_ITS, ids=IDS)

@@ -133,14 +133,28 @@ def add_arguments(parser) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the slow measurements")
 
 
-def main(args) -> int:
-    world_size, rounds = args.world_size, args.rounds
-    rows = []
+class _Table:
+    """The benchmark's figures, a row each: name, value, what it is compared with, target, verdict."""
 
-    def row(name, value, unit, versus="", target="", ok=None):
+    HEADER = ("figure", "value", "compared with", "target", "")
+
+    def __init__(self):
+        self.rows = []
+
+    def row(self, name, value, unit, versus="", target="", ok=None):
         verdict = "" if ok is None else ("ok" if ok else "MISSED")
-        rows.append((name, f"{value:.3g} {unit}", versus, target, verdict))
+        self.rows.append((name, f"{value:.3g} {unit}", versus, target, verdict))
 
+    def print(self, world_size: int) -> None:
+        widths = [max(len(r[i]) for r in self.rows + [self.HEADER]) for i in range(5)]
+        print(f"pool benchmark: world_size={world_size}, backend=gloo, {os.cpu_count()} CPU cores, "
+              f"torch {torch.__version__}")
+        for r in [self.HEADER] + self.rows:
+            print("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
+
+
+def _cold_start(table: _Table, world_size: int, rounds: int) -> None:
+    """Cluster(world_size) started and shut down, next to a bare ``import torch`` (s)."""
     cold, imports = [], []
     for _ in range(rounds):  # interleaved, so load on the machine hits both alike
         start = time.perf_counter()
@@ -149,54 +163,63 @@ def main(args) -> int:
         start = time.perf_counter()
         Cluster(world_size).shutdown()
         cold.append(time.perf_counter() - start)
-    row(f"cold start, {world_size} ranks", statistics.median(cold), "s",
-        f"import torch: {statistics.median(imports):.2f} s "
-        f"(x{statistics.median(cold) / statistics.median(imports):.2f})")
+    table.row(f"cold start, {world_size} ranks", statistics.median(cold), "s",
+              f"import torch: {statistics.median(imports):.2f} s "
+              f"(x{statistics.median(cold) / statistics.median(imports):.2f})")
 
-    with Cluster(world_size) as cluster:
-        _time_calls(cluster, lambda: None, 20)
-        noop = _median_ms(_time_calls(cluster, lambda: None, 500))
-        row("no-op call", noop, "ms", "", "<= 2 ms", noop <= 2)
 
-        pool_ar = _median_ms(_time_calls(cluster, _tiny_all_reduce, 300))
-        single = statistics.median(max(cluster.run(_timed_tiny_all_reduce)) for _ in range(300)) * 1e3
-        loop = max(r[4] for r in cluster.run(time_all_reduce, [4], 300)) * 1e3  # 1 float, back to back
-        row("1-float all_reduce via pool", pool_ar, "ms",
-            f"in ranks: {single:.3g} ms as one call (x{pool_ar / single:.2f}), "
-            f"{loop:.3g} ms back to back (x{pool_ar / loop:.2f})",
-            "<= 2x in-rank", pool_ar <= 2 * single)
+def _calls(table: _Table, cluster, world_size: int, rounds: int) -> None:
+    """A no-op call and a 1-float all_reduce through the pool (ms), next to the all_reduce
+    timed inside the ranks and to ``mp.spawn`` of the same all_reduce per call."""
+    _time_calls(cluster, lambda: None, 20)
+    noop = _median_ms(_time_calls(cluster, lambda: None, 500))
+    table.row("no-op call", noop, "ms", "", "<= 2 ms", noop <= 2)
 
-        spawn = []
-        for _ in range(rounds):
-            start = time.perf_counter()
-            mp.spawn(_spawned, args=(world_size, free_port()), nprocs=world_size, join=True)
-            spawn.append(time.perf_counter() - start)
-        speedup = statistics.median(spawn) * 1e3 / pool_ar
-        row("same all_reduce, spawn per call", statistics.median(spawn), "s",
-            f"pool is x{speedup:.0f} faster", ">= 100x", speedup >= 100)
+    pool_ar = _median_ms(_time_calls(cluster, _tiny_all_reduce, 300))
+    single = statistics.median(max(cluster.run(_timed_tiny_all_reduce)) for _ in range(300)) * 1e3
+    loop = max(r[4] for r in cluster.run(time_all_reduce, [4], 300)) * 1e3  # 1 float, back to back
+    table.row("1-float all_reduce via pool", pool_ar, "ms",
+              f"in ranks: {single:.3g} ms as one call (x{pool_ar / single:.2f}), "
+              f"{loop:.3g} ms back to back (x{pool_ar / loop:.2f})",
+              "<= 2x in-rank", pool_ar <= 2 * single)
 
-        errors, usable = [], []
-        for _ in range(max(rounds, 5)):
-            try:
-                cluster.run(_fail_on_rank_1)
-            except RankError as err:
-                errors.append(time.time() - float(err.failures[1].exception.args[0]))
-            start = time.perf_counter()
-            cluster.run(lambda: None)
-            usable.append(time.perf_counter() - start + errors[-1])
-        row("rank exception -> RankError", statistics.median(errors), "s",
-            f"max {max(errors):.2f} s", "<= 1 s", max(errors) <= 1)
-        row("exception -> usable pool", statistics.median(usable), "s",
-            f"max {max(usable):.2f} s", "<= 3 s", max(usable) <= 3)
+    spawn = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        mp.spawn(_spawned, args=(world_size, free_port()), nprocs=world_size, join=True)
+        spawn.append(time.perf_counter() - start)
+    speedup = statistics.median(spawn) * 1e3 / pool_ar
+    table.row("same all_reduce, spawn per call", statistics.median(spawn), "s",
+              f"pool is x{speedup:.0f} faster", ">= 100x", speedup >= 100)
 
+
+def _recovery(table: _Table, cluster, rounds: int) -> None:
+    """A rank raises while the others wait: seconds until RankError here, and until usable."""
+    errors, usable = [], []
+    for _ in range(max(rounds, 5)):
+        try:
+            cluster.run(_fail_on_rank_1)
+        except RankError as err:
+            errors.append(time.time() - float(err.failures[1].exception.args[0]))
+        start = time.perf_counter()
+        cluster.run(lambda: None)
+        usable.append(time.perf_counter() - start + errors[-1])
+    table.row("rank exception -> RankError", statistics.median(errors), "s",
+              f"max {max(errors):.2f} s", "<= 1 s", max(errors) <= 1)
+    table.row("exception -> usable pool", statistics.median(usable), "s",
+              f"max {max(usable):.2f} s", "<= 3 s", max(usable) <= 3)
+
+
+def _fork_vs_spawn(table: _Table, world_size: int, rounds: int) -> None:
+    """``_start_and_recover`` for both start methods, spawn's figure next to fork's."""
     starts = {m: _start_and_recover(m, world_size, rounds) for m in ("fork", "spawn")}
     fork, spawn = starts["fork"], starts["spawn"]
     med = statistics.median
 
     def side_by_side(name, key, unit, target, ok):
         s, f = med(spawn[key]), med(fork[key])
-        row(name, s, unit, f"fork: {f:.3g} {unit} (spawn x{s / f:.2f}); spawn max {max(spawn[key]):.3g} {unit}",
-            target, ok)
+        table.row(name, s, unit, f"fork: {f:.3g} {unit} (spawn x{s / f:.2f}); spawn max {max(spawn[key]):.3g} {unit}",
+                  target, ok)
 
     side_by_side(f"cold start, spawn, {world_size} ranks", "cold", "s", "<= 6 s", max(spawn["cold"]) <= 6)
     side_by_side("all_reduce calls, first 2 s, spawn", "calls", "ms", "<= 2x fork",
@@ -204,10 +227,14 @@ def main(args) -> int:
     side_by_side("rank error -> usable, spawn", "error", "s", "<= 4 s", max(spawn["error"]) <= 4)
     side_by_side("then at once kill -9 -> usable, spawn", "kill", "s", "<= 4 s", max(spawn["kill"]) <= 4)
 
-    widths = [max(len(r[i]) for r in rows + [("figure", "value", "compared with", "target", "")])
-              for i in range(5)]
-    print(f"pool benchmark: world_size={world_size}, backend=gloo, {os.cpu_count()} CPU cores, "
-          f"torch {torch.__version__}")
-    for r in [("figure", "value", "compared with", "target", "")] + rows:
-        print("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
+
+def main(args) -> int:
+    world_size, rounds = args.world_size, args.rounds
+    table = _Table()
+    _cold_start(table, world_size, rounds)
+    with Cluster(world_size) as cluster:
+        _calls(table, cluster, world_size, rounds)
+        _recovery(table, cluster, rounds)
+    _fork_vs_spawn(table, world_size, rounds)
+    table.print(world_size)
     return 0

@@ -122,8 +122,6 @@ def ledger(num_params: int, world_size: int, strategy: str, precision: str = "fp
         raise LedgerError(str(err)) from None
     shard_rank = rank % group
     on_this_rank = not (spec.primary_only and rank != 0)
-    grad_b = 4 if (spec.units or precision != "mixed") else 2  # FSDP upcasts its gradient shard to fp32
-    compute_b = 2 if precision == "mixed" else 4  # unsharded (gathered) parameters and gradients
     notes = []
     b = dict.fromkeys(CATEGORIES, 0)
     if on_this_rank:
@@ -131,46 +129,63 @@ def ledger(num_params: int, world_size: int, strategy: str, precision: str = "fp
                                units is not None, gradient_as_bucket_view))
     if units is None and STEP_COUNTER_BYTES[optimizer] and spec.storage != "partition":
         notes.append("step counters (4 B per parameter tensor) need units=... and are left out")
+    if not on_this_rank:
+        notes.append("dp: only the primary device keeps parameters, gradients and optimizer state; "
+                     "it also gathers every device's outputs")
+    gathered, autocast_b, step_b = _transients(spec, num_params, shapes, group, shard_rank, precision,
+                                               optimizer, on_this_rank, reshard_after_forward, foreach)
+    b["unsharded_parameters"] = max(gathered["forward"], gathered["backward"])
+    b["unsharded_gradients"] = gathered["gradients"]
+    b["activations"] = activation_bytes
+    b["temporaries"] = max(step_b, autocast_b)
+    grad_b = 4 if (spec.units or precision != "mixed") else 2  # FSDP upcasts its gradient shard to fp32
+    # FSDP: a unit's gradient shard appears at its reduce-scatter, and the root unit (the last
+    # of ``shapes``) reduces after every other one: at backward's peak its shard is not there
+    # yet. With a single unit that is every gradient (measured: 9 % too high without this).
+    root_grad = grad_b * layout.sharded_numel(spec.storage, shapes[-1:], group) if spec.units and on_this_rank else 0
+    phases = _phases(spec, b, gathered, autocast_b, step_b, root_grad, gradient_as_bucket_view)
+    return Ledger(strategy, world_size, rank, precision, optimizer, group, num_params, b,
+                  phases, tuple(notes))
 
-    # Transients (bytes; see ``transients`` for the mechanisms behind each term).
+
+def _transients(spec, num_params, shapes, group, shard_rank, precision, optimizer, on_this_rank,
+                reshard_after_forward, foreach) -> tuple[dict, int, int]:
+    """(unsharded bytes by moment, autocast's weight copies, the optimizer step's temporaries),
+    bytes per rank; see ``transients`` for the mechanisms behind each term."""
+    compute_b = 2 if precision == "mixed" else 4  # unsharded (gathered) parameters and gradients
     gathered = transients.unsharded_bytes(spec, shapes, group, compute_b,
                                           reshard_after_forward=reshard_after_forward)
     if not on_this_rank:
         # The replica broadcast every step, and its gradients before the reduce to device 0.
         gathered = dict.fromkeys(gathered, compute_b * num_params)
-        notes.append("dp: only the primary device keeps parameters, gradients and optimizer state; "
-                     "it also gathers every device's outputs")
-    b["unsharded_parameters"] = max(gathered["forward"], gathered["backward"])
-    b["unsharded_gradients"] = gathered["gradients"]
-    b["activations"] = activation_bytes
     # autocast caches a 2-byte copy of every parameter a low-precision op uses (all of a
     # Linear's); assumed here for every parameter (LayerNorm's stay fp32 on CUDA: an upper bound).
     autocast_b = 2 * num_params if precision == "autocast" else 0
     step_b = 0
     if on_this_rank:
         step_b = transients.optimizer_temporaries(spec, optimizer, shapes, group, shard_rank, foreach)
-    b["temporaries"] = max(step_b, autocast_b)
+    return gathered, autocast_b, step_b
 
+
+def _phases(spec, b: dict, gathered: dict, autocast_b: int, step_b: int, root_grad: int,
+            gradient_as_bucket_view: bool) -> dict:
+    """phase -> {category: bytes} on this rank at each moment of a training step, from the
+    ledger's bytes ``b``; ``root_grad``: the root unit's gradient shard, not there yet at
+    backward's peak."""
     rest = {c: b[c] for c in AT_REST}
     # zero_grad(set_to_none=True) frees gradients before forward, unless they are views of
     # DDP's buckets (gradient_as_bucket_view), whose storage stays.
     grads_kept = spec.buckets and gradient_as_bucket_view
     forward = dict(rest, gradients=rest["gradients"] if grads_kept else 0,
-                   unsharded_parameters=gathered["forward"], activations=activation_bytes,
+                   unsharded_parameters=gathered["forward"], activations=b["activations"],
                    temporaries=autocast_b)
     # Backward counts every gradient and no activation: gradients appear as activations are
     # freed, and the two roughly trade places.
-    # FSDP: a unit's gradient shard appears at its reduce-scatter, and the root unit (the last
-    # of ``shapes``) reduces after every other one: at backward's peak its shard is not there
-    # yet. With a single unit that is every gradient (measured: 9 % too high without this).
-    root_grad = grad_b * layout.sharded_numel(spec.storage, shapes[-1:], group) if spec.units and on_this_rank else 0
     backward = dict(rest, gradients=rest["gradients"] - root_grad,
                     unsharded_parameters=gathered["backward"],
                     unsharded_gradients=gathered["gradients"])
     step = dict(rest, temporaries=step_b)
-    phases = {"at rest": rest, "forward": forward, "backward": backward, "optimizer step": step}
-    return Ledger(strategy, world_size, rank, precision, optimizer, group, num_params, b,
-                  phases, tuple(notes))
+    return {"at rest": rest, "forward": forward, "backward": backward, "optimizer step": step}
 
 
 def _from_model(num_params, units, batch_size, activation_bytes):

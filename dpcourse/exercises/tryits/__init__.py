@@ -7,9 +7,11 @@ In a chapter, after the demonstration of an API:
         ...                                                  # blanks written as ``x = ...``
     dpc.exercises.check_answer("4.2a", "no_sync", accumulate, cluster)   # the next cell
 
-Each try-it is registered here by name, with its chapter and its checker. Its reference is
-the file ``solutions/tryits/<name>.py``, which is also the try-it cell's
-``metadata["dpcourse"]["solution"]`` (a test keeps the two equal);
+Each try-it is registered here by name, with its chapter and its checker. A checker is, most
+often, the function its ranks run and a judge of what they returned: ``on_ranks`` runs the one
+and, when a rank raised or hung, says so and judges nothing else; the judge adds one item per
+behaviour. A try-it's reference is the file ``solutions/tryits/<name>.py``, which is also the
+try-it cell's ``metadata["dpcourse"]["solution"]`` (a test keeps the two equal);
 ``dpc.exercises.solution("no_sync")`` shows it, on request only. A check's failed items name
 the behaviour and the idea it touches ("4 all-reduces ran for 4 micro-batches: ..."), never
 the expected value or the line that fixes it. A starter still holding a ``...`` is "not
@@ -17,17 +19,21 @@ attempted yet"; a rank that raises or hangs is a failed item, and the cluster st
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 from dataclasses import dataclass
 from typing import Callable
 
-from ..ranks import blanks_in
+from ..ranks import RankFailure, blanks_in, run_or_failure
 from ..report import Report
 
 # the module of checkers for each chapter (imported when one of its try-its is checked)
 MODULES = {"4.2a": "ddp", "4.2b": "fsdp", "4.2c": "large_models", "4.2d": "pitfalls", "4.2e": "at_work"}
 SOLUTIONS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "solutions", "tryits")
+RUNS = "runs on every rank"     # a check's first item: did the learner's code run at all
+LATER = "judged once it runs"   # what an item says when the ranks never got that far
+WARM_UP_TIMEOUT = 180.0         # seconds for a warm-up call (see ``run_checked``)
 
 
 @dataclass
@@ -51,6 +57,52 @@ def try_it(name: str, chapter: str, asks: str):
         TRY_ITS[name] = TryIt(name, chapter, asks, check)
         return check
     return register
+
+
+def fail_all(report: Report, runs: str, detail: str, items, why: str = LATER) -> Report:
+    """Add item ``runs``, failed as ``detail`` says, then each of ``items`` not judged (``why``)."""
+    report.add(runs, False, detail)
+    for name in items:
+        report.add(name, None, why)
+    return report
+
+
+def run_checked(report: Report, cluster, fn, *args, items, timeout: float, runs: str = RUNS,
+                warm_up: Callable | None = None, describe: Callable | None = None) -> list | None:
+    """``fn(*args)`` on every rank of ``cluster``: the results in rank order, with item ``runs``
+    passed; or None when a rank raised or the call did not return within ``timeout`` seconds,
+    with ``runs`` failed and each of ``items`` not judged. The failure is said in
+    ``RankFailure.describe``'s words, or ``describe(failure, world_size)``'s where a check knows
+    better. ``warm_up``: run on every rank first, under a timeout of its own -- a rank that a
+    failure restarted imports what the check needs for seconds, which ``timeout`` is not for."""
+    if warm_up is not None:
+        cluster.run(warm_up, timeout=WARM_UP_TIMEOUT)
+    got = run_or_failure(cluster, fn, *args, timeout=timeout)
+    if isinstance(got, RankFailure):
+        fail_all(report, runs, describe(got, cluster.world_size) if describe else got.describe(timeout), items)
+        return None
+    report.add(runs, True)
+    return got
+
+
+def on_ranks(fn, *items: str, timeout: float, runs: str = RUNS, warm_up: Callable | None = None,
+             describe: Callable | None = None):
+    """Make the decorated ``judge(report, got, *items)`` a try-it's ``check(answer, cluster)``.
+
+    The check runs ``fn(answer)`` on the cluster's ranks (``run_checked``, whose keywords these
+    are); when every rank returned, the judge adds ``items``, the names of what it judges, in
+    its own order, from ``got``: the ranks' results in rank order."""
+    def make(judge):
+        @functools.wraps(judge)
+        def check(answer, cluster) -> Report:
+            report = Report("")
+            got = run_checked(report, cluster, fn, answer, items=items, timeout=timeout, runs=runs,
+                              warm_up=warm_up, describe=describe)
+            if got is not None:
+                judge(report, got, *items)
+            return report
+        return check
+    return make
 
 
 def load_all() -> dict[str, TryIt]:

@@ -12,9 +12,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ... import models
-from ..ranks import RankFailure, run_or_failure
 from ..report import Report
-from . import try_it
+from . import on_ranks, try_it
 from .ddp import _all_reduces   # 4.2a's listener: (dtype, bytes) of every all-reduce issued
 
 TIMEOUT = 20.0          # seconds for one check's call on the ranks
@@ -52,14 +51,9 @@ def _accuracy_on_rank(accuracy):
 
 
 @try_it("eval_metric", "4.2e", f"an accuracy over {N_EVAL} samples, counted once each on the ranks")
-def check_eval_metric(accuracy, cluster) -> Report:
-    report = Report("")
-    runs, once, same = ("runs on every rank", "every sample is counted once, by one rank",
-                        "every rank returns the accuracy of the whole dataset")
-    got = run_or_failure(cluster, _accuracy_on_rank, accuracy, timeout=TIMEOUT)
-    if isinstance(got, RankFailure):
-        return got.fail(report, runs, TIMEOUT, [once, same])
-    report.add(runs, True)
+@on_ranks(_accuracy_on_rank, "every sample is counted once, by one rank",
+          "every rank returns the accuracy of the whole dataset", timeout=TIMEOUT)
+def check_eval_metric(report: Report, got: list, once, same) -> None:
     world, want = len(got), _labelled()[1]
     reads: dict[int, list[int]] = {}
     for rank, r in enumerate(got):
@@ -98,7 +92,6 @@ def check_eval_metric(accuracy, cluster) -> Report:
                                 "another value, though every sample was read once: the ranks hold different "
                                 "numbers of samples. Does averaging the ranks' own accuracies weigh every "
                                 "sample alike?")
-    return report
 
 
 # ------------------------------------------------------------------------------------ zero1
@@ -156,15 +149,10 @@ def _close(a: dict, b: dict) -> bool:
 
 
 @try_it("zero1", "4.2e", "SGD with momentum, its state sharded over the ranks (ZeRO-1)")
-def check_zero1(make_optimizer, cluster) -> Report:
-    report = Report("")
-    runs, step, shard, gather = ("runs on every rank", f"{STEPS} steps equal one process's SGD with momentum",
-                                 "each rank holds the momentum of its own share of the parameters",
-                                 "after each step the updated parameters reach every rank")
-    got = run_or_failure(cluster, _zero_on_rank, make_optimizer, timeout=TIMEOUT)
-    if isinstance(got, RankFailure):
-        return got.fail(report, runs, TIMEOUT, [step, shard, gather])
-    report.add(runs, True)
+@on_ranks(_zero_on_rank, f"{STEPS} steps equal one process's SGD with momentum",
+          "each rank holds the momentum of its own share of the parameters",
+          "after each step the updated parameters reach every rank", timeout=TIMEOUT)
+def check_zero1(report: Report, got: list, step, shard, gather) -> None:
     world = len(got)
     full = sum(v.numel() * v.element_size() for v in models.build_model("mlp", seed=0).state_dict().values())
     tensors = len(models.build_model("mlp", seed=0).state_dict())
@@ -203,7 +191,6 @@ def check_zero1(make_optimizer, cluster) -> Report:
     else:
         report.add(gather, False, "no rank sent parameters during the optimizer step: a rank that updates "
                                   "a share only must pass it on")
-    return report
 
 
 # --------------------------------------------------------------------------------- powersgd
@@ -245,15 +232,9 @@ def _powersgd_on_rank(register):
 
 
 @try_it("powersgd", "4.2e", f"PowerSGD of rank {PSGD_RANK} after {PSGD_START} plain steps")
-def check_powersgd(register_powersgd, cluster) -> Report:
-    report = Report("")
-    runs = "runs on every rank"
-    warm = f"the first {PSGD_START} steps all-reduce the whole gradients"
-    factored = f"later steps send rank-{PSGD_RANK} factors"
-    got = run_or_failure(cluster, _powersgd_on_rank, register_powersgd, timeout=TIMEOUT)
-    if isinstance(got, RankFailure):
-        return got.fail(report, runs, TIMEOUT, [warm, factored])
-    report.add(runs, True)
+@on_ranks(_powersgd_on_rank, f"the first {PSGD_START} steps all-reduce the whole gradients",
+          f"later steps send rank-{PSGD_RANK} factors", timeout=TIMEOUT)
+def check_powersgd(report: Report, got: list, warm, factored) -> None:
     steps, full, want = got[0], 4 * sum(p.numel() for p in models.build_model("mlp").parameters()), \
         powersgd_bytes(PSGD_RANK)
     early = next((i for i, b in enumerate(steps[:PSGD_START]) if b != full), None)
@@ -278,4 +259,3 @@ def check_powersgd(register_powersgd, cluster) -> Report:
                f"How many columns does rank {PSGD_RANK} mean?" if seen else
                f"rank-{PSGD_RANK} factors of this model are {want:,} bytes per step")
         report.add(factored, False, f"steps {PSGD_START} and later sent {later[0]:,} bytes: {how}")
-    return report

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from ... import models
 from ..ranks import RankFailure, run_or_failure
 from ..report import Report
-from . import try_it
+from . import on_ranks, try_it
 
 TIMEOUT = 20.0          # seconds for one check's call on the ranks
 RTOL, ATOL = 1e-4, 1e-6
@@ -77,36 +77,28 @@ def _accumulate_on_rank(accumulate):
 
 
 @try_it("no_sync", "4.2a", f"{MICRO_BATCHES} micro-batches per step under DDP, one all-reduce")
-def check_no_sync(accumulate, cluster) -> Report:
-    report = Report("")
-    runs = "runs on every rank"
-    got = run_or_failure(cluster, _accumulate_on_rank, accumulate, timeout=TIMEOUT)
-    if isinstance(got, RankFailure):
-        report.add(runs, False, got.describe(TIMEOUT))
-        report.add("DDP all-reduces once per optimizer step", None, "judged once it runs")
-        report.add("gradients equal one process's on the global batch", None, "judged once it runs")
-        return report
-    report.add(runs, True)
+@on_ranks(_accumulate_on_rank, "DDP all-reduces once per optimizer step",
+          "gradients equal one process's on the global batch", timeout=TIMEOUT)
+def check_no_sync(report: Report, got: list, once, same) -> None:
     r = got[0]
     syncs = r["calls"] / r["per_sync"]
     if syncs == 1:
-        report.add("DDP all-reduces once per optimizer step", True)
+        report.add(once, True)
     elif syncs == 0:
-        report.add("DDP all-reduces once per optimizer step", False,
+        report.add(once, False,
                    "no all-reduce ran at all: every micro-batch's backward ran with DDP's "
                    "synchronisation switched off, so the ranks' gradients were never averaged")
     else:
-        report.add("DDP all-reduces once per optimizer step", False,
+        report.add(once, False,
                    f"DDP all-reduced the gradients {syncs:g} times for {MICRO_BATCHES} micro-batches: it "
                    "synchronised after micro-batches whose gradients were not final yet. What lets "
                    "backward only add to .grad, without communicating -- and DDP decides that in "
                    "forward: does each micro-batch's forward run where it should?")
-    name = "gradients equal one process's on the global batch"
     if all(_same(x["grads"], x["want"]) for x in got):
-        report.add(name, True)
+        report.add(same, True)
     elif any(_ratio(x["grads"], x["local"]) > 0.5 and not _same(x["local"], x["want"])
              and _same([g / _ratio(x["grads"], x["local"]) for g in x["grads"]], x["local"]) for x in got):
-        report.add(name, False, "each rank kept a gradient of its own samples only: the last "
+        report.add(same, False, "each rank kept a gradient of its own samples only: the last "
                                 "micro-batch's backward must be the one DDP averages over the ranks")
     else:
         ratio = _ratio(r["grads"], r["want"])
@@ -119,8 +111,7 @@ def check_no_sync(accumulate, cluster) -> Report:
                       "own. After which micro-batch's backward must it run?")
         else:
             detail = "they differ from it: is every micro-batch's loss part of the gradient, once?"
-        report.add(name, False, detail)
-    return report
+        report.add(same, False, detail)
 
 
 # ---------------------------------------------------------------------------------- sampler
@@ -160,6 +151,26 @@ def _overlap(epoch: int, runs: list[list[int]]) -> str | None:
             "the sampler repeated some to fill up the uneven tail")
 
 
+def _unequal(by_epoch: list[list[list[int]]], world: int) -> str | None:
+    """How the ranks' parts ([epoch][rank] -> indices) differ from equal shares of all but the
+    uneven tail, in words (None: they do not)."""
+    share, counts = N_ITEMS // world, [len(x) for x in by_epoch[0]]
+    read = [len(set().union(*map(set, runs_e))) for runs_e in by_epoch]
+    if all(len(x) == share for runs_e in by_epoch for x in runs_e) and read == [share * world] * EPOCHS:
+        return None
+    if min(counts) >= N_ITEMS:
+        return (f"every rank read {counts[0]} samples per epoch, the whole dataset of {N_ITEMS}: "
+                f"{world} ranks did the work of one process {world} times over")
+    if len(set(counts)) > 1:
+        return (f"in epoch 0 the ranks read {counts} samples: their epochs then have different numbers "
+                "of steps, and a rank with more waits in an all-reduce the others never start")
+    if sum(counts) > N_ITEMS:
+        return (f"the {world} ranks read {sum(counts)} samples per epoch from a dataset of {N_ITEMS}: the "
+                "sampler padded the parts with repeated samples. What makes it leave out the uneven tail instead?")
+    return (f"together the ranks read {read[0]} different samples in epoch 0, {counts[0]} each, of "
+            f"{N_ITEMS}: only the uneven tail (what does not divide by the world size) should be left out")
+
+
 @try_it("sampler", "4.2a", f"{N_ITEMS} samples on the ranks, a new shuffle every epoch")
 def check_sampler(epoch_orders, cluster) -> Report:
     report = Report("")
@@ -182,25 +193,8 @@ def check_sampler(epoch_orders, cluster) -> Report:
     overlaps = [o for e, runs_e in enumerate(by_epoch) if (o := _overlap(e, runs_e))]
     report.add(parts, not overlaps, overlaps[0] if overlaps else "")
 
-    share, counts = N_ITEMS // world, [len(x) for x in by_epoch[0]]
-    read = [len(set().union(*map(set, runs_e))) for runs_e in by_epoch]
-    if all(len(x) == share for runs_e in by_epoch for x in runs_e) and read == [share * world] * EPOCHS:
-        report.add(equal, True)
-    elif min(counts) >= N_ITEMS:
-        report.add(equal, False, f"every rank read {counts[0]} samples per epoch, the whole dataset of "
-                                 f"{N_ITEMS}: {world} ranks did the work of one process {world} times over")
-    elif len(set(counts)) > 1:
-        report.add(equal, False, f"in epoch 0 the ranks read {counts} samples: their epochs then have "
-                                 "different numbers of steps, and a rank with more waits in an all-reduce "
-                                 "the others never start")
-    elif sum(counts) > N_ITEMS:
-        report.add(equal, False, f"the {world} ranks read {sum(counts)} samples per epoch from a dataset "
-                                 f"of {N_ITEMS}: the sampler padded the parts with repeated samples. What "
-                                 "makes it leave out the uneven tail instead?")
-    else:
-        report.add(equal, False, f"together the ranks read {read[0]} different samples in epoch 0, "
-                                 f"{counts[0]} each, of {N_ITEMS}: only the uneven tail (what does not "
-                                 "divide by the world size) should be left out")
+    unequal = _unequal(by_epoch, world)
+    report.add(equal, unequal is None, unequal or "")
 
     same = [e for e in range(1, EPOCHS) if by_epoch[e] == by_epoch[e - 1]]
     if not same:
@@ -518,19 +512,17 @@ def _within_bf16(r) -> tuple[bool, float]:
     return ok, worst
 
 
+def _callback_error(failure: RankFailure, world_size: int) -> str:
+    """A failed call, said without the stack: a future's callback that raised, by its message."""
+    return failure.describe(TIMEOUT).split("\n\nAt:")[0]
+
+
 @try_it("comm_hook", "4.2a", "a comm hook that all-reduces the buckets in bf16")
-def check_comm_hook(register_bf16_hook, cluster) -> Report:
-    report = Report("")
-    runs, back = "runs on every rank", "DDP gets each bucket back as float32"
-    wire = "each bucket travels in bf16: half of DDP's bytes"
-    grads = "gradients equal one process's on the global batch, to bf16 rounding"
-    got = run_or_failure(cluster, _compressed_on_rank, register_bf16_hook, timeout=TIMEOUT)
-    if isinstance(got, RankFailure):   # a future's callback that raised: its message, not its stack
-        report.add(runs, False, got.describe(TIMEOUT).split("\n\nAt:")[0])
-        for name in (wire, back, grads):
-            report.add(name, None, "judged once it runs")
-        return report
-    report.add(runs, True)
+@on_ranks(_compressed_on_rank, "each bucket travels in bf16: half of DDP's bytes",
+          "DDP gets each bucket back as float32",
+          "gradients equal one process's on the global batch, to bf16 rounding",
+          timeout=TIMEOUT, describe=_callback_error)
+def check_comm_hook(report: Report, got: list, wire, back, grads) -> None:
     r = got[0]
     _judge_wire(report, wire, r)
 
@@ -559,7 +551,6 @@ def check_comm_hook(register_bf16_hook, cluster) -> Report:
             detail = (f"they differ from it by up to {worst:.1e}, more than rounding the buckets to bf16 "
                       "explains: is each value rounded once, and averaged over the ranks?")
         report.add(grads, False, detail)
-    return report
 
 
 def _judge_wire(report: Report, wire: str, r: dict) -> None:

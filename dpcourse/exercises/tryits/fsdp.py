@@ -16,13 +16,12 @@ import torch
 import torch.distributed as dist
 
 from ... import models
-from ..ranks import RankFailure, run_or_failure
+from ..ranks import RankFailure
 from ..report import Report
-from . import try_it
+from . import on_ranks, try_it
 
 TIMEOUT = 20.0          # seconds for one check's call on the ranks
 RTOL, ATOL = 1e-4, 1e-6
-JUDGED_LATER = "judged once it runs"
 
 
 class _Collectives:
@@ -88,20 +87,10 @@ def _full(t):
 
 
 def _imports() -> None:
+    """The warm-up of these checks: every rank imports FSDP, DTensor and DCP before a timed call."""
     import torch.distributed.checkpoint  # noqa: F401
     import torch.distributed.fsdp  # noqa: F401
     import torch.distributed.tensor  # noqa: F401
-
-
-def _run(cluster, fn, *args):
-    """``run_or_failure`` after every rank has imported FSDP, DTensor and DCP: seconds on fresh
-    ranks (after a failure restarted them), which the check's own timeout is not meant for."""
-    cluster.run(_imports, timeout=180)
-    return run_or_failure(cluster, fn, *args, timeout=TIMEOUT)
-
-
-def _failed_run(report: Report, got: RankFailure, later: list[str]) -> Report:
-    return got.fail(report, "runs on every rank", TIMEOUT, later, JUDGED_LATER)
 
 
 # ------------------------------------------------------------------------------ fully_shard
@@ -155,15 +144,11 @@ def _fully_shard_on_rank(shard):
 
 
 @try_it("fully_shard", "4.2b", "a transformer under fully_shard: only the last block kept gathered for backward")
-def check_fully_shard(shard, cluster) -> Report:
-    report = Report("")
-    sharded, units = "every parameter is a DTensor shard over all ranks", "one unit per block, then the root"
-    kept = "only the last block keeps its gathered parameters from forward to backward"
-    step = "one SGD step equals one process's on the global batch"
-    got = _run(cluster, _fully_shard_on_rank, shard)
-    if isinstance(got, RankFailure):
-        return _failed_run(report, got, [sharded, units, kept, step])
-    report.add("runs on every rank", True)
+@on_ranks(_fully_shard_on_rank, "every parameter is a DTensor shard over all ranks",
+          "one unit per block, then the root",
+          "only the last block keeps its gathered parameters from forward to backward",
+          "one SGD step equals one process's on the global batch", timeout=TIMEOUT, warm_up=_imports)
+def check_fully_shard(report: Report, got: list, sharded, units, kept, step) -> None:
     r = got[0]
     if r["plain"]:
         shown = ", ".join(r["plain"][:3]) + (", ..." if len(r["plain"]) > 3 else "")
@@ -209,7 +194,6 @@ def check_fully_shard(shard, cluster) -> Report:
         size = f" (the update is about {ratio:.2g} times the right size)" if abs(ratio - 1) > 0.05 else ""
         report.add(step, False, f"the weights after the step differ from one process's{size}: are all "
                    "parameters' gradients averaged over the ranks?")
-    return report
 
 
 def _initial(name: str) -> dict[str, torch.Tensor]:
@@ -298,14 +282,10 @@ def _fsdp1_run(wrap):
 
 
 @try_it("fsdp1", "4.2b", "FSDP1 with blocks 1-3 as units, kept gathered, bf16 gathers and fp32 reduction")
-def check_fsdp1(wrap, cluster) -> Report:
-    report = Report("")
-    units, kept = "the units are blocks 1-3 and the root", "parameters stay gathered from forward to backward"
-    dtypes, trains = "gathers in bf16, gradients reduced in fp32", "trains as one process does, to bf16's rounding"
-    got = _run(cluster, _fsdp1_on_rank, wrap)
-    if isinstance(got, RankFailure):
-        return _failed_run(report, got, [units, kept, dtypes, trains])
-    report.add("runs on every rank", True)
+@on_ranks(_fsdp1_on_rank, "the units are blocks 1-3 and the root", "parameters stay gathered from forward to backward",
+          "gathers in bf16, gradients reduced in fp32", "trains as one process does, to bf16's rounding",
+          timeout=TIMEOUT, warm_up=_imports)
+def check_fsdp1(report: Report, got: list, units, kept, dtypes, trains) -> None:
     r = got[0]
     seen = [(root, frozenset(u)) for root, u in r["units"]]
     if not seen:
@@ -352,7 +332,6 @@ def check_fsdp1(wrap, cluster) -> Report:
         by = f"by up to {worst:.2g}, far more than bf16's rounding" if worst == worst else "and are not finite"
         report.add(trains, False, f"after {FSDP1_STEPS} SGD steps the weights differ from one process's {by}: "
                    "do all ranks train one model, with gradients averaged over them?")
-    return report
 
 
 # -------------------------------------------------------------------------- mixed_precision
@@ -390,51 +369,48 @@ def _mixed_on_rank(shard):
             "difference": max((weights[k].float() - v).abs().max().item() for k, v in want.items())}
 
 
+def _dtype_refused(failure: RankFailure, world_size: int) -> str:
+    """A failed call, said as the mistake behind it where a layer refused another dtype."""
+    if "must have the same dtype" not in failure.summary:
+        return failure.describe(TIMEOUT)
+    return ("a layer was handed activations in one dtype while its weights are in the other (bf16 "
+            "against fp32), and refused them: a unit computes in its policy's dtype and hands its output "
+            "on in that dtype unless told otherwise. Where does the dtype change, and what dtype should a "
+            "block's output leave it in?")
+
+
 @try_it("mixed_precision", "4.2b", "fully_shard with bf16 blocks and an fp32 head")
-def check_mixed_precision(shard, cluster) -> Report:
-    report = Report("")
-    names = ("each block gathers in bf16, the root's own parameters in fp32",
-             "gradients are reduced in fp32", "the model hands back fp32 outputs",
-             "one step lands within bf16's rounding of one fp32 process")
-    got = _run(cluster, _mixed_on_rank, shard)
-    if isinstance(got, RankFailure):
-        if "must have the same dtype" in got.summary:
-            report.add("runs on every rank", False, "a layer was handed activations in one dtype while its "
-                       "weights are in the other (bf16 against fp32), and refused them: a unit computes in its "
-                       "policy's dtype and hands its output on in that dtype unless told otherwise. Where does "
-                       "the dtype change, and what dtype should a block's output leave it in?")
-            for name in names:
-                report.add(name, None, JUDGED_LATER)
-            return report
-        return _failed_run(report, got, list(names))
-    report.add("runs on every rank", True)
+@on_ranks(_mixed_on_rank, "each block gathers in bf16, the root's own parameters in fp32",
+          "gradients are reduced in fp32", "the model hands back fp32 outputs",
+          "one step lands within bf16's rounding of one fp32 process",
+          timeout=TIMEOUT, warm_up=_imports, describe=_dtype_refused)
+def check_mixed_precision(report: Report, got: list, gathers, reduced, outputs, one_step) -> None:
     r = got[0]
     bf16, fp32 = r["gathers"].count("bfloat16"), r["gathers"].count("float32")
     if (bf16, fp32) == (r["blocks"], 1):
-        report.add(names[0], True)
+        report.add(gathers, True)
     elif not r["gathers"]:
-        report.add(names[0], False, "forward gathered nothing: were the blocks and the root sharded?")
+        report.add(gathers, False, "forward gathered nothing: were the blocks and the root sharded?")
     elif bf16 == 0:
-        report.add(names[0], False, f"forward's {_plural(len(r['gathers']), 'all-gather')} all carried float32: "
+        report.add(gathers, False, f"forward's {_plural(len(r['gathers']), 'all-gather')} all carried float32: "
                    "the blocks computed in full precision. What tells fully_shard the dtype a unit computes in?")
     elif fp32 == 0:
-        report.add(names[0], False, f"all {_plural(bf16, 'all-gather')} carried bf16, the root's too: its own "
+        report.add(gathers, False, f"all {_plural(bf16, 'all-gather')} carried bf16, the root's too: its own "
                    "parameters (the head) were to stay fp32. Which units did the bf16 policy reach?")
     else:
-        report.add(names[0], False, f"forward gathered {bf16} unit(s) in bf16 and {fp32} in fp32, for "
+        report.add(gathers, False, f"forward gathered {bf16} unit(s) in bf16 and {fp32} in fp32, for "
                    f"{r['blocks']} blocks and the root: which units got which policy?")
     if r["reduce"] == ["float32"]:
-        report.add(names[1], True)
+        report.add(reduced, True)
     else:
-        report.add(names[1], False, f"the reduce-scatters carried {', '.join(r['reduce']) or 'nothing'}: summed over "
+        report.add(reduced, False, f"the reduce-scatters carried {', '.join(r['reduce']) or 'nothing'}: summed over "
                    "the ranks in bf16, small gradients lose their low bits. Which dtype does a reduction "
                    "use unless a policy says otherwise?")
-    report.add(names[2], r["output"] == "float32",
+    report.add(outputs, r["output"] == "float32",
                "" if r["output"] == "float32" else f"the model's output was {r['output']}: what does the "
                "root hand back when its own computation is in fp32 but its input came in bf16?")
     if r["difference"] <= MP_TOLERANCE:
-        report.add(names[3], True)
+        report.add(one_step, True)
     else:
-        report.add(names[3], False, f"the weights after one step differ from one fp32 process's by up to "
+        report.add(one_step, False, f"the weights after one step differ from one fp32 process's by up to "
                    f"{r['difference']:.1e}, far more than bf16's rounding explains: is the same step taken?")
-    return report

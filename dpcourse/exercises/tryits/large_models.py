@@ -22,14 +22,14 @@ from torch import nn
 from ... import models
 from ...backends import rank_device
 from ...torch_private import wrapper_module_names
-from ..ranks import RankFailure, run_or_failure
+from ..ranks import RankFailure
 from ..report import Report
-from . import try_it
-from .fsdp import _Collectives, _close, _failed_run, _quiet, _ratio, _run   # 4.2b's: the tracker, FSDP1's warnings
+from . import RUNS, fail_all, on_ranks, run_checked, try_it
+from .fsdp import _Collectives, _close, _imports, _quiet, _ratio   # 4.2b's: the tracker, FSDP1's warnings
+from .fsdp import TIMEOUT as FSDP_TIMEOUT   # seconds for a call after 4.2b's warm-up (dcp, gradient_sync)
 
 TIMEOUT = 30.0          # seconds for one check's call on the ranks
 RTOL, ATOL = 1e-4, 1e-6
-LATER = "judged once it runs"
 
 
 def _same(got: dict, want: dict) -> bool:
@@ -39,6 +39,16 @@ def _same(got: dict, want: dict) -> bool:
 def _largest_difference(got: dict, want: dict) -> float:
     return max(((got[k] - want[k]).abs().max().item() for k in want if k in got and got[k].shape == want[k].shape),
                default=float("inf"))
+
+
+def _judge_same(report: Report, name: str, got: dict, want: dict, what: str, why: str) -> None:
+    """Item ``name``: the tensors ``got`` equal one process's, ``want``; if not, by how much
+    ``what`` differ, and ``why`` they should not."""
+    if _same(got, want):
+        report.add(name, True)
+    else:
+        report.add(name, False, f"{what} from one process's (largest difference "
+                                f"{_largest_difference(got, want):.3g}): {why}")
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -59,10 +69,6 @@ def _shard_blocks(model) -> nn.Module:
 def _plain_name(name: str) -> str:
     """A parameter's name in the plain model: activation checkpointing's wrapper names dropped."""
     return name.replace(wrapper_module_names()[1] + ".", "")
-
-
-def _failed(report: Report, got: RankFailure, items: list[str]) -> Report:
-    return got.fail(report, "runs on every rank", TIMEOUT, items, LATER)
 
 
 # ---------------------------------------------------------------------------------- meta_init
@@ -154,16 +160,11 @@ def _meta_init_on_rank(build_sharded):
 
 
 @try_it("meta_init", "4.2c", "a transformer built on meta, sharded, then materialised")
-def check_meta_init(build_sharded, cluster) -> Report:
-    report = Report("")
-    storage = "every parameter and buffer has storage on this rank's device"
-    sharded = "every parameter is a shard: a DTensor split over the ranks"
-    weights = "the weights are the init function's, as on one process"
-    held = "no rank ever held the whole model"
-    got = run_or_failure(cluster, _meta_init_on_rank, build_sharded, timeout=TIMEOUT)
-    if isinstance(got, RankFailure):
-        return _failed(report, got, [storage, sharded, weights, held])
-    report.add("runs on every rank", True)
+@on_ranks(_meta_init_on_rank, "every parameter and buffer has storage on this rank's device",
+          "every parameter is a shard: a DTensor split over the ranks",
+          "the weights are the init function's, as on one process", "no rank ever held the whole model",
+          timeout=TIMEOUT)
+def check_meta_init(report: Report, got: list, storage, sharded, weights, held) -> None:
     r = got[0]
     if r["meta"]:
         report.add(storage, False, f"{len(r['meta'])} tensors (e.g. {r['meta'][0]}) are still on the meta "
@@ -209,7 +210,6 @@ def check_meta_init(build_sharded, cluster) -> Report:
                                 f"at once (the whole model is {whole:,}): the storage was given to whole "
                                 "parameters, before they were split. In which order must sharding and "
                                 "allocating come?")
-    return report
 
 
 # ---------------------------------------------------------------------------------- checkpointing
@@ -277,15 +277,10 @@ def _checkpointing_on_rank(checkpoint_some):
 
 
 @try_it("checkpointing", "4.2c", f"checkpoint blocks {CHOSEN} of {DEPTH}, no others")
-def check_checkpointing(checkpoint_some, cluster) -> Report:
-    report = Report("")
-    which = "exactly the chosen blocks run their forward again in backward"
-    saved = "bytes saved for backward: as for the chosen blocks"
-    grads = "gradients equal one process's without checkpointing"
-    got = run_or_failure(cluster, _checkpointing_on_rank, checkpoint_some, timeout=TIMEOUT)
-    if isinstance(got, RankFailure):
-        return _failed(report, got, [which, saved, grads])
-    report.add("runs on every rank", True)
+@on_ranks(_checkpointing_on_rank, "exactly the chosen blocks run their forward again in backward",
+          "bytes saved for backward: as for the chosen blocks", "gradients equal one process's without checkpointing",
+          timeout=TIMEOUT)
+def check_checkpointing(report: Report, got: list, which, saved, grads) -> None:
     r = got[0]
     calls = r["calls"]
     again = [i for i in range(DEPTH) if calls[i] > 1]
@@ -329,13 +324,8 @@ def check_checkpointing(checkpoint_some, cluster) -> Report:
         report.add(saved, False, f"{r['saved']:,} bytes were saved when backward began: the saving of about "
                                  f"{blocks} ({r['none']:,} with none, {r['every']:,} with all {depth}). "
                                  "How many blocks were chosen?")
-    if _same(r["grads"], r["want"]):
-        report.add(grads, True)
-    else:
-        report.add(grads, False, f"they differ from one process's (largest difference "
-                                 f"{_largest_difference(r['grads'], r['want']):.3g}): a recomputed forward "
-                                 "must give the same gradients. Was anything else changed in the model?")
-    return report
+    _judge_same(report, grads, r["grads"], r["want"], "they differ", "a recomputed forward must give the "
+                "same gradients. Was anything else changed in the model?")
 
 
 # ---------------------------------------------------------------------------------- offload_clip
@@ -396,15 +386,10 @@ def _offload_clip_on_rank(clipped_step):
 
 
 @try_it("offload_clip", "4.2c", f"FSDP2 with CPU offload, gradients clipped to {MAX_NORM}")
-def check_offload_clip(clipped_step, cluster) -> Report:
-    report = Report("")
-    norm = "the norm returned is the norm of all the ranks' gradients together"
-    step = "the step used gradients clipped over all ranks (weights as one process's)"
-    offload = "the shards, gradients and optimizer state are kept in CPU memory"
-    got = run_or_failure(cluster, _offload_clip_on_rank, clipped_step, timeout=TIMEOUT)
-    if isinstance(got, RankFailure):
-        return _failed(report, got, [norm, step, offload])
-    report.add("runs on every rank", True)
+@on_ranks(_offload_clip_on_rank, "the norm returned is the norm of all the ranks' gradients together",
+          "the step used gradients clipped over all ranks (weights as one process's)",
+          "the shards, gradients and optimizer state are kept in CPU memory", timeout=TIMEOUT)
+def check_offload_clip(report: Report, got: list, norm, step, offload) -> None:
     r = got[0]
     norms = [x["norm"] for x in got]
     locals_ = [x["local_norm"] for x in got]
@@ -448,7 +433,6 @@ def check_offload_clip(clipped_step, cluster) -> Report:
                                    "an accelerator, their shards, gradients and optimizer state would stay "
                                    "in its memory. What tells FSDP2 to keep them in CPU memory, and did "
                                    "every unit get it?")
-    return report
 
 
 # ---------------------------------------------------------------------------------- prefetch
@@ -543,16 +527,11 @@ def _ahead(events, blocks: int) -> tuple[list[int], list, list[int]]:
 
 
 @try_it("prefetch", "4.2c", f"each block's forward all-gather issued {AHEAD} blocks early, the first by the root")
-def check_prefetch(prefetch, cluster) -> Report:
-    report = Report("")
-    start = f"the first {AHEAD} blocks' gathers are issued before the root's input layer computes"
-    early = f"each block finds the next {AHEAD} blocks' gathers issued when it starts"
-    once = "each unit is gathered once per forward"
-    same = "training is unchanged: the weights after two steps equal one process's"
-    got = run_or_failure(cluster, _prefetch_on_rank, prefetch, timeout=TIMEOUT)
-    if isinstance(got, RankFailure):
-        return _failed(report, got, [start, early, once, same])
-    report.add("runs on every rank", True)
+@on_ranks(_prefetch_on_rank, f"the first {AHEAD} blocks' gathers are issued before the root's input layer computes",
+          f"each block finds the next {AHEAD} blocks' gathers issued when it starts",
+          "each unit is gathered once per forward",
+          "training is unchanged: the weights after two steps equal one process's", timeout=TIMEOUT)
+def check_prefetch(report: Report, got: list, start, early, once, same) -> None:
     r = got[0]
     blocks = len(WIDTHS) - 1
     ahead, again, first = _ahead(r["events"], blocks)
@@ -593,13 +572,8 @@ def check_prefetch(prefetch, cluster) -> Report:
         report.add(once, False, f"{', '.join(names) or 'some units'} were gathered a second time in one "
                                 "forward, after they had computed and freed their parameters: a prefetch "
                                 "that names blocks already done gathers them again for nothing")
-    if _same(r["weights"], r["want"]):
-        report.add(same, True)
-    else:
-        report.add(same, False, f"the weights differ from one process's (largest difference "
-                                f"{_largest_difference(r['weights'], r['want']):.3g}): prefetching changes "
-                                "when parameters arrive, never what is computed. Was anything else changed?")
-    return report
+    _judge_same(report, same, r["weights"], r["want"], "the weights differ", "prefetching changes when "
+                "parameters arrive, never what is computed. Was anything else changed?")
 
 
 # -------------------------------------------------------------------------------------- dcp
@@ -699,13 +673,13 @@ def _compare_state(state: dict, saved: dict) -> str:
     return ""
 
 
-def _optimizer_state_mismatch(got: RankFailure) -> str | None:
-    """What a load that failed putting the optimizer's state back saw, or None for another failure."""
+def _load_failure(got: RankFailure, world_size: int) -> str:
+    """A failed call, said as what load saw where it failed putting the optimizer's state back."""
     by_position = re.search(r"Size mismatch between saved .* for \S*state\.\d+\.", got.summary)
     said = re.search(r"(Size mismatch between saved[^\n]*|loaded state dict contains a parameter group[^\n]*)",
                      got.summary)
     if not (by_position or "parameter group that doesn't match" in got.summary):
-        return None
+        return got.describe(FSDP_TIMEOUT)
     seen = ("the saved optimizer state, numbered by position, has other shapes than the new "
             "optimizer's" if by_position else "the saved parameter groups do not match the new "
             "optimizer's in size")
@@ -724,24 +698,16 @@ def check_dcp(checkpoint, cluster) -> Report:
     step = f"the next {DCP_AFTER} steps equal the uninterrupted run's"
     missing = [m for m in ("save", "load") if not callable(getattr(checkpoint, m, None))]
     if missing:
-        report.add("runs on every rank", False, f"the class has no {' and no '.join(missing)} to call")
-        for name in (weights, state, where, step):
-            report.add(name, None, LATER)
-        return report
+        return fail_all(report, RUNS, f"the class has no {' and no '.join(missing)} to call",
+                        (weights, state, where, step))
     folder = tempfile.mkdtemp(prefix="dpcourse-dcp-")   # fresh: DCP warns when it overwrites
     try:
-        got = _run(cluster, _dcp_on_rank, checkpoint, folder)
+        got = run_checked(report, cluster, _dcp_on_rank, checkpoint, folder, items=(weights, state, where, step),
+                          timeout=FSDP_TIMEOUT, warm_up=_imports, describe=_load_failure)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    if isinstance(got, RankFailure):
-        detail = _optimizer_state_mismatch(got)
-        if detail is not None:
-            report.add("runs on every rank", False, detail)
-            for name in (weights, state, where, step):
-                report.add(name, None, LATER)
-            return report
-        return _failed_run(report, got, [weights, state, where, step])
-    report.add("runs on every rank", True)
+    if got is None:
+        return report
     if all(r["weights"] for r in got):
         report.add(weights, True)
     else:
@@ -815,13 +781,9 @@ def _accumulate_on_rank(accumulate):
 
 @try_it("gradient_sync", "4.2c", f"micro-batches of {', '.join(map(str, SYNC_SIZES))} samples under fully_shard, "
         "one reduce-scatter")
-def check_gradient_sync(accumulate, cluster) -> Report:
-    report = Report("")
-    once, same = "FSDP reduce-scatters each unit once per step", "gradients equal one process's on the global batch"
-    got = _run(cluster, _accumulate_on_rank, accumulate)
-    if isinstance(got, RankFailure):
-        return _failed_run(report, got, [once, same])
-    report.add("runs on every rank", True)
+@on_ranks(_accumulate_on_rank, "FSDP reduce-scatters each unit once per step",
+          "gradients equal one process's on the global batch", timeout=FSDP_TIMEOUT, warm_up=_imports)
+def check_gradient_sync(report: Report, got: list, once, same) -> None:
     r = got[0]
     blocks, n = r["units"] - 1, len(SYNC_SIZES)
     root, of_blocks = r["root"], r["reduce_scatter"] - r["root"]
@@ -853,7 +815,6 @@ def check_gradient_sync(accumulate, cluster) -> Report:
                  else "they differ from it: is every micro-batch's loss part of the gradient, once, weighted "
                       "by its samples, and reduce-scattered after the last one?")
         report.add(same, False, scale)
-    return report
 
 
 def _times(n: int) -> str:

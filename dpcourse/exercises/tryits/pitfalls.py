@@ -28,9 +28,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ... import backends, models, torch_private
-from ..ranks import RankFailure, run_or_failure
+from ..ranks import RankFailure
 from ..report import Report
-from . import try_it
+from . import on_ranks, try_it
 
 RTOL, ATOL = 1e-4, 1e-5
 
@@ -44,18 +44,14 @@ def _same_weights(a, b) -> bool:
 
 
 def _ready() -> bool:
+    """The warm-up of these checks: every rank imports this module, Join and what DDP imports
+    when it first wraps a model, before a call is timed -- on a fresh rank (the first check, or
+    one after a failure restarted the ranks) that takes seconds, longer than a short hang timeout."""
     from torch.distributed.algorithms import Join  # noqa: F401
     from torch.nn.parallel import DistributedDataParallel
 
     DistributedDataParallel(torch.nn.Linear(1, 1))   # the first one imports torch._dynamo
     return True
-
-
-def _warm_up(cluster) -> None:
-    """Have every rank import this module, Join and what DDP imports when it first wraps a
-    model, before a call is timed: on a fresh rank (the first check, or one after a failure
-    restarted the ranks) that takes seconds, longer than a short hang timeout."""
-    cluster.run(_ready, timeout=180)
 
 
 # --------------------------------------------------------------------------- sync_batchnorm
@@ -250,17 +246,10 @@ def _bn_statistics(got: list[dict], names: list[str]) -> tuple[list[str], list[s
 
 
 @try_it("sync_batchnorm", "4.2d", "BatchNorm with the global batch's statistics, under DDP")
-def check_sync_batchnorm(prepare, cluster) -> Report:
-    report = Report("")
-    runs = "runs on every rank"
-    layers_name = "each BatchNorm layer normalises with the statistics of the global batch"
-    out_name = "outputs equal one process's on the global batch"
-    step_name = "one training step equals one process's step on the global batch"
-    _warm_up(cluster)
-    got = run_or_failure(cluster, _prepare_on_rank, prepare, timeout=BN_TIMEOUT)
-    if isinstance(got, RankFailure):
-        return got.fail(report, runs, BN_TIMEOUT, [layers_name, out_name, step_name])
-    report.add(runs, True)
+@on_ranks(_prepare_on_rank, "each BatchNorm layer normalises with the statistics of the global batch",
+          "outputs equal one process's on the global batch",
+          "one training step equals one process's step on the global batch", timeout=BN_TIMEOUT, warm_up=_ready)
+def check_sync_batchnorm(report: Report, got: list, layers_name, out_name, step_name) -> None:
     world, sizes = len(got), _bn_sizes(len(got))
     names = got[0]["names"]
     per_rank, other = _bn_statistics(got, names)
@@ -298,7 +287,6 @@ def check_sync_batchnorm(prepare, cluster) -> Report:
     else:
         report.add(step_name, False, "the ranks agree, but not with one process: the gradient came "
                                      "through statistics that were not the global batch's")
-    return report
 
 
 # ------------------------------------------------------------------------------------- join
@@ -357,11 +345,11 @@ def _simulate_join(world: int, divide_by_initial_world_size: bool = True):
     return dict(model.named_parameters())
 
 
-def _join_failure(got: RankFailure, counts: list[int]) -> str:
+def _join_failure(got: RankFailure, world_size: int) -> str:
     """What a join call that failed did: hung on uneven batches, called a hook of the wrong object, or else."""
     if got.kind == "hang":
         where = f" ({got.summary})" if got.summary else ""
-        shares = ", ".join(f"rank {r} {n}" for r, n in enumerate(counts))
+        shares = ", ".join(f"rank {r} {n}" for r, n in enumerate(_join_counts(world_size)))
         return (f"the ranks did not finish within {JOIN_TIMEOUT:g} s{where}. Batches per rank: "
                 f"{shares}. Each backward all-reduces the gradients, "
                 "so the ranks issue different numbers of all-reduces, and a rank with batches left "
@@ -375,22 +363,12 @@ def _join_failure(got: RankFailure, counts: list[int]) -> str:
 
 
 @try_it("join", "4.2d", "DDP through uneven batches per rank, averaged over the ranks still training")
-def check_join(train, cluster) -> Report:
-    report = Report("")
-    runs = "runs on every rank and finishes"
-    steps_name = "each rank takes one optimizer step per batch of its own"
-    equal_name = "the final weights are equal on every rank"
-    want_name = ("the final weights equal one process's training on every rank's batches, each step "
-                 "averaged over the ranks still training")
-    _warm_up(cluster)
-    got = run_or_failure(cluster, _join_on_rank, train, timeout=JOIN_TIMEOUT)
-    counts = _join_counts(cluster.world_size)
-    if isinstance(got, RankFailure):
-        report.add(runs, False, _join_failure(got, counts))
-        for name in (steps_name, equal_name, want_name):
-            report.add(name, None, "judged once it runs")
-        return report
-    report.add(runs, True)
+@on_ranks(_join_on_rank, "each rank takes one optimizer step per batch of its own",
+          "the final weights are equal on every rank",
+          "the final weights equal one process's training on every rank's batches, each step averaged over "
+          "the ranks still training",
+          timeout=JOIN_TIMEOUT, runs="runs on every rank and finishes", warm_up=_ready, describe=_join_failure)
+def check_join(report: Report, got: list, steps_name, equal_name, want_name) -> None:
     short = [f"rank {r} took {x['steps']} steps for its {x['batches']} batches" for r, x in enumerate(got)
              if x["steps"] != x["batches"]]
     if not short:
@@ -421,4 +399,3 @@ def check_join(train, cluster) -> Report:
         report.add(want_name, False, "they differ from it: was each step's gradient this batch's alone "
                                      "(nothing left over from the batches before), averaged over the ranks "
                                      "still training?")
-    return report
