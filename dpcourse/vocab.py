@@ -90,9 +90,9 @@ LEDGER_STRATEGIES = tuple(SHARDING)
 # FSDP1 under ShardingStrategy's names, FSDP2 as fully_shard. HYBRID_SHARD also needs a
 # shard_group_size that divides the world size.
 TRAIN_OPTIONS = {
-    "ddp": {"strategy": "ddp"},
-    **{name: {"strategy": "fsdp", "sharding_strategy": name} for name in SHARDING_STRATEGIES},
-    "fully_shard": {"strategy": "fully_shard"},
+    "ddp": {"wrapper": "ddp"},
+    **{name: {"wrapper": "fsdp", "sharding_strategy": name} for name in SHARDING_STRATEGIES},
+    "fully_shard": {"wrapper": "fully_shard"},
 }
 
 AUTO_WRAP = ("block", "size", "none")  # one FSDP unit per model block | by min_num_params | one unit

@@ -2,7 +2,7 @@
 # Train across machines: run this same command on EVERY node; torchrun's c10d rendezvous
 # (a store on RDZV_ENDPOINT) lets the nodes find each other and assigns the ranks.
 #
-#   NNODES=2 NPROC_PER_NODE=8 RDZV_ENDPOINT=node001:29500 launch/torchrun_multi_node.sh --strategy fsdp
+#   NNODES=2 NPROC_PER_NODE=8 RDZV_ENDPOINT=node001:29500 launch/torchrun_multi_node.sh --wrapper fsdp
 #
 # Environment:
 #   NNODES          number of nodes (required)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Train on one machine: torchrun --standalone starts one process per device.
 #
-#   launch/torchrun_single_node.sh --strategy fsdp --sharding-strategy FULL_SHARD --steps 50
+#   launch/torchrun_single_node.sh --wrapper fsdp --sharding-strategy FULL_SHARD --steps 50
 #
 # Arguments go to `python -m dpcourse.train` (see --help there). Environment overrides:
 #   NPROC_PER_NODE  processes (default: the number of GPUs, else 2 CPU processes on Gloo)

@@ -10,6 +10,7 @@ from pathlib import Path
 import nbformat
 import pytest
 import torch
+import torch.distributed as dist
 from nbclient import NotebookClient
 
 import dpcourse as dpc
@@ -267,6 +268,56 @@ def test_e_the_starter_is_the_solutions_scaffold_and_is_not_attempted():
     assert time.monotonic() - start < 2
     assert not report.attempted and not report.passed and report.figure is None
     assert "not attempted yet" in str(report) and "MyBucketedDDP.grad_ready" in str(report)
+
+
+def test_e_buckets_are_the_ones_torch_ddp_builds(cluster2):
+    """The checker's plan (the scaffold's buckets: ``assign_buckets``) is torch DDP's, derived
+    two ways: PyTorch's own assignment over the gradient-ready order, with the first bucket's
+    cap equal to the others' (torch 2.13 when ``bucket_cap_mb`` is given), and the buckets a
+    real torch DDP all-reduces once it has rebuilt them. The notebook states their number."""
+    model = dpc.models.build_model("mlp", **exercise_e.SIZES)
+    names = [n for n, _ in model.named_parameters()]
+    order = list(range(len(names)))[::-1]  # backward's order: reverse registration
+    cap = int(exercise_e.BUCKET_CAP_MB * 2**20)
+    theirs, _ = dist._compute_bucket_assignment_by_size(
+        [p for p in model.parameters()][::-1], [cap, cap], [False] * len(names), order)
+    plan = exercise_e.bucket_plan(model)
+    assert [bucket for bucket, _ in plan] == [[names[i] for i in b] for b in theirs]
+    assert cluster2.run(_torch_ddp_bucket_bytes, exercise_e.BUCKET_CAP_MB)[0] == [n for _, n in plan]
+    nb = nbformat.read(NOTEBOOKS / "E-bucketed-ddp.ipynb", as_version=4)
+    check = next(c.source for c in nb.cells if c.source.startswith("## Check"))
+    assert f"the MLP's {len(names)} gradients travel in {len(theirs)} buckets" in check
+
+
+def _torch_ddp_bucket_bytes(bucket_cap_mb):
+    """Bytes of each bucket torch DDP all-reduces in its second backward (after the rebuild)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    seen = {}
+
+    def hook(state, bucket):
+        seen[bucket.index()] = bucket.buffer().numel() * bucket.buffer().element_size()
+        return allreduce_hook(state, bucket)
+
+    ddp = DDP(dpc.models.build_model("mlp", **exercise_e.SIZES), bucket_cap_mb=bucket_cap_mb)
+    ddp.register_comm_hook(None, hook)
+    x, _ = dpc.models.make_dataset("mlp", 8, **exercise_e.SIZES).tensors
+    for _ in range(2):  # the first backward sends one bucket; the buckets are rebuilt after it
+        seen.clear()
+        ddp(x).sum().backward()
+    return [seen[i] for i in sorted(seen)]
+
+
+def test_e_the_course_wrapper_is_not_the_learners():
+    """Passing the course's own BucketedDDP (it would pass every item) is refused, without ranks."""
+    start = time.monotonic()
+    report = dpc.exercises.check_e(dpc.scratch.BucketedDDP)
+    assert time.monotonic() - start < 2
+    assert not report.passed and report.figure is None
+    first = report.items[0]
+    assert first.status == "fail" and "BucketedDDP.grad_ready is the course's own" in first.detail, str(report)
+    assert [i.status for i in report.items[1:]] == ["skip"] * 3
 
 
 @pytest.mark.parametrize("mistake, edits, failing, words", MISTAKES_E, ids=[m[0] for m in MISTAKES_E])

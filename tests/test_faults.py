@@ -29,7 +29,7 @@ from conftest import kill_tree
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(300)
-OPTIONS = dict(strategy="ddp", batch_size=4, num_samples=128)  # 16 batches of 2 x 4 per epoch
+OPTIONS = dict(wrapper="ddp", batch_size=4, num_samples=128)  # 16 batches of 2 x 4 per epoch
 
 
 @pytest.fixture(scope="module")

@@ -36,30 +36,30 @@ def _run(args, timeout=120, **env):
 
 @pytest.mark.parametrize("script, env, expected", [
     ("torchrun_single_node.sh", dict(NPROC_PER_NODE="4"),
-     "{T} --standalone --nproc_per_node=4 --max-restarts=0 -m dpcourse.train --strategy fsdp"),
+     "{T} --standalone --nproc_per_node=4 --max-restarts=0 -m dpcourse.train --wrapper fsdp"),
     ("torchrun_single_node.sh", dict(NPROC_PER_NODE="2", MAX_RESTARTS="3"),
      "{T} --standalone --nproc_per_node=2 --max-restarts=3 "
-     "-m dpcourse.train --strategy fsdp"),
+     "-m dpcourse.train --wrapper fsdp"),
     ("torchrun_multi_node.sh", dict(NNODES="2", NPROC_PER_NODE="8", RDZV_ENDPOINT="node001:29500", RDZV_ID="j1"),
      "{T} --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=node001:29500 --rdzv_id=j1 "
-     "--max-restarts=0 -m dpcourse.train --strategy fsdp"),
+     "--max-restarts=0 -m dpcourse.train --wrapper fsdp"),
 ])
 def test_dry_runs_print_the_torchrun_command(script, env, expected):
-    proc = _run([str(LAUNCH / script), "--strategy", "fsdp"], DRY_RUN="1", **env)
+    proc = _run([str(LAUNCH / script), "--wrapper", "fsdp"], DRY_RUN="1", **env)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == expected.format(T=f"{sys.executable} -m torch.distributed.run")
 
 
 def test_slurm_dry_run_puts_the_rendezvous_on_the_head_node():
-    proc = _run(["bash", str(LAUNCH / "slurm.sbatch"), "--strategy", "fsdp"], DRY_RUN="1",
+    proc = _run(["bash", str(LAUNCH / "slurm.sbatch"), "--wrapper", "fsdp"], DRY_RUN="1",
                 SLURM_NNODES="2", SLURM_JOB_ID="42", HEAD_NODE="node001", TORCHRUN="torchrun",
                 SLURM_SUBMIT_DIR=str(ROOT))
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
-    assert lines[0] == f"srun --nodes=2 --ntasks-per-node=1 {LAUNCH}/torchrun_multi_node.sh --strategy fsdp"
+    assert lines[0] == f"srun --nodes=2 --ntasks-per-node=1 {LAUNCH}/torchrun_multi_node.sh --wrapper fsdp"
     assert lines[1] == ("each node runs: torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d "
                         "--rdzv_endpoint=node001:29500 --rdzv_id=42 --max-restarts=0 -m dpcourse.train "
-                        "--strategy fsdp")
+                        "--wrapper fsdp")
 
 
 def test_missing_settings_are_named():
@@ -68,7 +68,7 @@ def test_missing_settings_are_named():
 
 
 def test_cli_rejects_bad_options_before_starting():
-    proc = _run([sys.executable, "-m", "dpcourse.train", "--strategy", "zero"])
+    proc = _run([sys.executable, "-m", "dpcourse.train", "--wrapper", "zero"])
     assert proc.returncode == 2 and "invalid choice: 'zero' (choose from" in proc.stderr
     proc = _run([sys.executable, "-m", "dpcourse.train", "--checkpoint-every", "5"])
     assert proc.returncode == 2 and "checkpoint_every needs checkpoint_dir" in proc.stderr
@@ -91,7 +91,8 @@ def test_every_cli_option_says_its_meaning_choices_and_default():
             assert all(choice in action.help for choice in action.choices), action.dest
     proc = _run([sys.executable, "-m", "dpcourse.train", "--help"])
     assert proc.returncode == 0, proc.stderr
-    assert "--strategy {ddp,fsdp,fully_shard}" in proc.stdout and "default ddp" in proc.stdout
+    assert "--wrapper {ddp,fsdp,fully_shard}, --strategy {ddp,fsdp,fully_shard}" in proc.stdout
+    assert "--strategy is its older name; default ddp" in " ".join(proc.stdout.split())
     assert "%(" not in proc.stdout  # every placeholder was filled
 
 
@@ -110,7 +111,7 @@ def _losses(path: Path) -> list[list[float]]:
 
 def test_torchrun_standalone_equals_single_process(tmp_path):
     out = tmp_path / "metrics.json"
-    proc = _run([str(LAUNCH / "torchrun_single_node.sh"), "--strategy", "fsdp", "--steps", "3",
+    proc = _run([str(LAUNCH / "torchrun_single_node.sh"), "--wrapper", "fsdp", "--steps", "3",
                  "--batch-size", "4", "--metrics-path", str(out)], NPROC_PER_NODE="2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     reference = train_single_process(TrainConfig(steps=3, batch_size=4), 2)["losses"]
@@ -126,7 +127,7 @@ def test_two_nodes_with_c10d_rendezvous_repeatedly(tmp_path):
         env = dict(NNODES="2", NPROC_PER_NODE="1", RDZV_ENDPOINT=f"127.0.0.1:{free_port()}",
                    RDZV_ID=f"test{attempt}")
         out = tmp_path / f"m{attempt}.json"
-        args = [str(LAUNCH / "torchrun_multi_node.sh"), "--strategy", "ddp", "--steps", "2",
+        args = [str(LAUNCH / "torchrun_multi_node.sh"), "--wrapper", "ddp", "--steps", "2",
                 "--batch-size", "4", "--metrics-path", str(out)]  # only rank 0 writes it
         agents = [subprocess.Popen(args, cwd=ROOT, env=_env(**env), stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -158,7 +159,7 @@ def test_two_nodes_restart_together_and_resume_though_their_restart_counts_diffe
     env = dict(NNODES="2", NPROC_PER_NODE="1", RDZV_ENDPOINT=f"127.0.0.1:{free_port()}",
                RDZV_ID="restart", MAX_RESTARTS="1")
     out = tmp_path / "metrics.json"
-    args = [str(LAUNCH / "torchrun_multi_node.sh"), "--strategy", "ddp", "--steps", str(steps),
+    args = [str(LAUNCH / "torchrun_multi_node.sh"), "--wrapper", "ddp", "--steps", str(steps),
             "--batch-size", "4", "--checkpoint-dir", str(ckpt), "--checkpoint-every", str(every),
             "--resume", "auto", "--no-progress", "--metrics-path", str(out)]
     agents = [subprocess.Popen(args, cwd=ROOT, env=_env(**env), stdout=subprocess.PIPE,

@@ -42,6 +42,22 @@ def test_a_small_first_bucket_like_torch_ddp_defaults():
     assert ours == theirs == [[0], [1, 2, 3, 4], [5]]
 
 
+def test_each_dtype_fills_buckets_of_its_own_like_torch_ddp():
+    """A bucket is one flat tensor: torch packs per (dtype, device), each with its own caps.
+    The buckets that close come in torch's order; the ones left open, one per dtype, follow
+    (torch lists those in a hash map's order, so they are compared as a set)."""
+    dtypes = [torch.float32, torch.float16, torch.float32, torch.float16, torch.float32, torch.float16, torch.float64]
+    numels = [100_000, 300_000, 100_000, 300_000, 50_000, 10, 7]  # elements, packing order
+    tensors = [torch.empty(n, dtype=d) for n, d in zip(numels, dtypes)]
+    ours = assign_buckets(numels, [t.element_size() for t in tensors], 1, first_bucket_cap_mb=0.5,
+                          keys=[t.dtype for t in tensors])
+    theirs, _ = dist._compute_bucket_assignment_by_size(tensors, [1 << 19, 1 << 20], [False] * len(tensors),
+                                                         list(range(len(tensors))))
+    # fp16's first bucket reaches its 0.5 MiB first (600 kB); fp32's with its second tensor
+    assert ours[:2] == theirs[:2] == [[1], [0, 2]]
+    assert sorted(ours[2:]) == sorted(theirs[2:]) == [[3, 5], [4], [6]]
+
+
 def test_bad_bucket_cap_is_refused():
     with pytest.raises(ValueError, match="bucket_cap_mb must be > 0"):
         assign_buckets([10], [4], 0)

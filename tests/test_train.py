@@ -1,4 +1,5 @@
-"""The training runner on real ranks: every strategy equals single-process training; DCP resumes."""
+"""The training runner on real ranks: every wrapper and sharding strategy equals single-process
+training; DCP resumes."""
 from __future__ import annotations
 
 import os
@@ -16,19 +17,19 @@ from dpcourse.train.runner import train_single_process
 
 pytestmark = pytest.mark.timeout(240)
 
-STRATEGIES = [
-    dict(strategy="ddp"),
-    dict(strategy="ddp", gradient_as_bucket_view=True, optimizer="sgd"),
-    dict(strategy="fsdp", sharding_strategy="FULL_SHARD"),
-    dict(strategy="fsdp", sharding_strategy="SHARD_GRAD_OP", auto_wrap="size"),
-    dict(strategy="fsdp", sharding_strategy="NO_SHARD"),
-    dict(strategy="fully_shard", reshard_after_forward=True),
-    dict(strategy="fully_shard", reshard_after_forward=False, auto_wrap="none"),
-    dict(strategy="fully_shard", auto_wrap="size", min_num_params=5000),  # units above a ModuleList
-    dict(strategy="fsdp", model="transformer"),
+SETUPS = [
+    dict(wrapper="ddp"),
+    dict(wrapper="ddp", gradient_as_bucket_view=True, optimizer="sgd"),
+    dict(wrapper="fsdp", sharding_strategy="FULL_SHARD"),
+    dict(wrapper="fsdp", sharding_strategy="SHARD_GRAD_OP", auto_wrap="size"),
+    dict(wrapper="fsdp", sharding_strategy="NO_SHARD"),
+    dict(wrapper="fully_shard", reshard_after_forward=True),
+    dict(wrapper="fully_shard", reshard_after_forward=False, auto_wrap="none"),
+    dict(wrapper="fully_shard", auto_wrap="size", min_num_params=5000),  # units above a ModuleList
+    dict(wrapper="fsdp", model="transformer"),
     # a tied weight and a frozen one; every optimizer of the vocabulary once
-    dict(strategy="fsdp", model="tied_transformer", optimizer="sgd_momentum"),
-    dict(strategy="fully_shard", model="tied_transformer", optimizer="adam"),
+    dict(wrapper="fsdp", model="tied_transformer", optimizer="sgd_momentum"),
+    dict(wrapper="fully_shard", model="tied_transformer", optimizer="adam"),
 ]
 
 
@@ -42,13 +43,13 @@ def _same_losses(cluster, world_size, **options):
     return metrics
 
 
-@pytest.mark.parametrize("options", STRATEGIES, ids=lambda o: "-".join(map(str, o.values())))
+@pytest.mark.parametrize("options", SETUPS, ids=lambda o: "-".join(map(str, o.values())))
 def test_world_size_2_equals_single_process(cluster2, options):
     _same_losses(cluster2, 2, **options)
 
 
-@pytest.mark.parametrize("options", STRATEGIES[:1] + STRATEGIES[2:3] + STRATEGIES[5:6] + [
-    dict(strategy="fsdp", sharding_strategy="HYBRID_SHARD", shard_group_size=2)],
+@pytest.mark.parametrize("options", SETUPS[:1] + SETUPS[2:3] + SETUPS[5:6] + [
+    dict(wrapper="fsdp", sharding_strategy="HYBRID_SHARD", shard_group_size=2)],
     ids=lambda o: "-".join(map(str, o.values())))
 def test_world_size_4_equals_single_process(cluster4, options):
     metrics = _same_losses(cluster4, 4, **options)
@@ -57,7 +58,7 @@ def test_world_size_4_equals_single_process(cluster4, options):
 
 
 def test_final_parameters_equal_single_process(cluster2):
-    cfg = TrainConfig(strategy="fsdp", steps=3, batch_size=4, progress=False, optimizer="sgd")
+    cfg = TrainConfig(wrapper="fsdp", steps=3, batch_size=4, progress=False, optimizer="sgd")
     state = cluster2.run(train, cfg, full_state=True)[0]["state"]
     reference = train_single_process(cfg, 2)["state"]
     assert state.keys() == reference.keys()
@@ -66,7 +67,7 @@ def test_final_parameters_equal_single_process(cluster2):
 
 
 def test_dcp_save_at_4_resume_at_2_equals_an_uninterrupted_run(cluster4, cluster2, tmp_path):
-    common = dict(strategy="fsdp", num_samples=128, progress=False)
+    common = dict(wrapper="fsdp", num_samples=128, progress=False)
     whole = cluster4.run(train, TrainConfig(steps=6, batch_size=4, **common))[0]["losses"]
     ckpt = str(tmp_path / "ckpt")
     first = cluster4.run(train, TrainConfig(steps=3, batch_size=4, checkpoint_dir=ckpt, **common))
@@ -82,7 +83,7 @@ def test_dcp_save_at_4_resume_at_2_equals_an_uninterrupted_run(cluster4, cluster
 def test_periodic_checkpoints_keep_the_newest_and_resume_exactly(cluster2, tmp_path):
     """Every 3 steps, 2 kept; a resume at step 7 (not an epoch start) continues the sampler
     where it stood, across the epoch boundary at step 8, equal to one uninterrupted run."""
-    common = dict(strategy="fully_shard", num_samples=64, batch_size=4, progress=False)  # 8 steps per epoch
+    common = dict(wrapper="fully_shard", num_samples=64, batch_size=4, progress=False)  # 8 steps per epoch
     whole = cluster2.run(train, TrainConfig(steps=12, **common))[0]["losses"]
     root = str(tmp_path / "ckpt")
     saving = dict(checkpoint_dir=root, checkpoint_every=3, keep_checkpoints=2, resume="auto")
@@ -117,11 +118,11 @@ def test_checkpoint_progress_and_folder_rules(tmp_path):
 
 
 @pytest.mark.parametrize("options, message", [
-    (dict(strategy="zero"), "unknown strategy 'zero'; choose one of ddp, fsdp, fully_shard"),
-    (dict(strategy="fsdp", sharding_strategy="FULL"), "unknown sharding_strategy"),
-    (dict(strategy="fsdp", sharding_strategy="HYBRID_SHARD", shard_group_size=3), "divides world_size=4"),
-    (dict(strategy="fsdp", sharding_strategy="HYBRID_SHARD"), "HYBRID_SHARD needs shard_group_size"),
-    (dict(strategy="fsdp", sharding_strategy="HYBRID_SHARD", shard_group_size=4), "silently be\nFULL_SHARD|silently be FULL_SHARD"),
+    (dict(wrapper="zero"), "unknown wrapper 'zero'; choose one of ddp, fsdp, fully_shard"),
+    (dict(wrapper="fsdp", sharding_strategy="FULL"), "unknown sharding_strategy"),
+    (dict(wrapper="fsdp", sharding_strategy="HYBRID_SHARD", shard_group_size=3), "divides world_size=4"),
+    (dict(wrapper="fsdp", sharding_strategy="HYBRID_SHARD"), "HYBRID_SHARD needs shard_group_size"),
+    (dict(wrapper="fsdp", sharding_strategy="HYBRID_SHARD", shard_group_size=4), "silently be\nFULL_SHARD|silently be FULL_SHARD"),
     (dict(mixed_precision="fp8"), "unknown mixed_precision"),
     (dict(batch_size=200, num_samples=512), "fewer than batch_size=200"),
     (dict(resume=True), "resume=True needs checkpoint_dir"),
@@ -134,29 +135,44 @@ def test_bad_options_fail_before_any_work(options, message):
         TrainConfig(**options).validate(world_size=4, device_type="cpu")
 
 
+def test_the_wrapper_keeps_its_old_flag_and_names_its_new_field():
+    """``wrapper`` was ``strategy``: the old flag still parses into it, the old field says where it went."""
+    from dpcourse.train.config import parse_args
+
+    assert parse_args(["--strategy", "fully_shard"]).wrapper == "fully_shard"
+    assert parse_args(["--wrapper", "fsdp"]) == TrainConfig(wrapper="fsdp")
+    with pytest.raises(TypeError, match=r"TrainConfig\(strategy=\.\.\.\): TrainConfig.strategy is now "
+                                        r"TrainConfig.wrapper: how the model is wrapped \(ddp, fsdp, fully_shard\)"):
+        TrainConfig(strategy="fsdp")
+    with pytest.raises(AttributeError, match="TrainConfig.strategy is now TrainConfig.wrapper"):
+        TrainConfig().strategy
+    with pytest.raises(AttributeError, match="object has no attribute 'stratgy'"):
+        TrainConfig().stratgy
+
+
 def test_a_bad_option_on_the_ranks_raises_before_training(cluster2):
     import dpcourse as dpc
 
-    with pytest.raises(dpc.RankError, match="unknown strategy"):
-        cluster2.run(train, TrainConfig(strategy="zero"))
+    with pytest.raises(dpc.RankError, match="unknown wrapper"):
+        cluster2.run(train, TrainConfig(wrapper="zero"))
 
 
 def _ledger_strategy(cfg: TrainConfig) -> tuple[str, dict]:
     """The vocabulary's strategy name and options of a runner configuration."""
-    if cfg.strategy == "ddp":
+    if cfg.wrapper == "ddp":
         return "ddp", {"gradient_as_bucket_view": cfg.gradient_as_bucket_view}
-    if cfg.strategy == "fully_shard":
+    if cfg.wrapper == "fully_shard":
         return "fully_shard", {"reshard_after_forward": cfg.reshard_after_forward}
     return cfg.sharding_strategy, ({"shard_group_size": cfg.shard_group_size}
                                    if cfg.sharding_strategy == "HYBRID_SHARD" else {})
 
 
 RUNNER_CONFIGS = [
-    dict(strategy="ddp"), dict(strategy="ddp", gradient_as_bucket_view=True),
-    dict(strategy="fsdp"), dict(strategy="fsdp", sharding_strategy="SHARD_GRAD_OP"),
-    dict(strategy="fsdp", sharding_strategy="NO_SHARD"),
-    dict(strategy="fsdp", sharding_strategy="HYBRID_SHARD", shard_group_size=2),
-    dict(strategy="fully_shard"), dict(strategy="fully_shard", reshard_after_forward=False),
+    dict(wrapper="ddp"), dict(wrapper="ddp", gradient_as_bucket_view=True),
+    dict(wrapper="fsdp"), dict(wrapper="fsdp", sharding_strategy="SHARD_GRAD_OP"),
+    dict(wrapper="fsdp", sharding_strategy="NO_SHARD"),
+    dict(wrapper="fsdp", sharding_strategy="HYBRID_SHARD", shard_group_size=2),
+    dict(wrapper="fully_shard"), dict(wrapper="fully_shard", reshard_after_forward=False),
 ]
 
 

@@ -24,7 +24,7 @@ ledger_module = importlib.import_module("dpcourse.memory.ledger")  # the package
 
 
 def test_training_runner_and_its_command_line_accept_every_name():
-    cases = ([("strategy", s) for s in vocab.WRAPPERS] + [("model", m) for m in vocab.MODELS]
+    cases = ([("wrapper", s) for s in vocab.WRAPPERS] + [("model", m) for m in vocab.MODELS]
              + [("optimizer", o) for o in vocab.OPTIMIZERS]
              + [("mixed_precision", p) for p in vocab.MIXED_PRECISION]
              + [("sharding_strategy", s) for s in vocab.SHARDING_STRATEGIES if s != "HYBRID_SHARD"]
@@ -34,7 +34,7 @@ def test_training_runner_and_its_command_line_accept_every_name():
         cfg.validate(world_size=2, device_type="cpu")
         flag = "--" + field.replace("_", "-")
         assert getattr(parse_args([flag, name]), field) == name
-    TrainConfig(strategy="fsdp", sharding_strategy="HYBRID_SHARD", shard_group_size=2).validate(4, "cpu")
+    TrainConfig(wrapper="fsdp", sharding_strategy="HYBRID_SHARD", shard_group_size=2).validate(4, "cpu")
     with pytest.raises(ConfigError, match="unknown optimizer 'momentum'; choose one of sgd, sgd_momentum"):
         TrainConfig(optimizer="momentum").validate(2, "cpu")
 
@@ -48,7 +48,7 @@ def test_every_table_of_names_lives_in_the_vocabulary():
     # models.py maps the vocabulary's model names to their classes (checked below).
     assert found == ["models.py"], found
     assert tuple(models.MODELS) == vocab.MODELS
-    assert config.CHOICES["strategy"] == tuple(vocab.WRAPPERS)
+    assert config.CHOICES["wrapper"] == tuple(vocab.WRAPPERS)
 
 
 def test_one_name_for_the_shard_group_size_everywhere():
@@ -91,7 +91,7 @@ def test_one_check_of_the_shard_group_size_with_the_arithmetic_in_its_message():
     with pytest.raises(ValueError, match=message):
         step_bytes("HYBRID_SHARD", 4, [10, 0], shard_group_size=3)
     with pytest.raises(ConfigError, match=message):
-        TrainConfig(strategy="fsdp", sharding_strategy="HYBRID_SHARD", shard_group_size=3).validate(4, "cpu")
+        TrainConfig(wrapper="fsdp", sharding_strategy="HYBRID_SHARD", shard_group_size=3).validate(4, "cpu")
     with pytest.raises(ValueError, match="only applies to HYBRID_SHARD"):
         vocab.shard_group("FULL_SHARD", 4, 2)
     assert [vocab.shard_group(s, 8, None) for s in ("ddp", "NO_SHARD", "FULL_SHARD")] == [1, 1, 8]
@@ -149,7 +149,7 @@ def test_the_rooms_leave_the_shard_group_check_to_the_vocabulary(monkeypatch):
         raise error("refused by the vocabulary")
 
     monkeypatch.setattr(vocab, "shard_group", refuse)
-    for attempt in (lambda: TrainConfig(strategy="fully_shard", shard_group_size=2).validate(4, "cpu"),
+    for attempt in (lambda: TrainConfig(wrapper="fully_shard", shard_group_size=2).validate(4, "cpu"),
                     lambda: step_comm_seconds("ddp", 4, [10, 0], LINKS["nvlink4"], shard_group_size=2),
                     lambda: step_bytes("HYBRID_SHARD", 4, [10, 0], shard_group_size=2),
                     lambda: ledger(1000, 4, "HYBRID_SHARD", shard_group_size=2)):

@@ -111,7 +111,7 @@ def main(args) -> int:
         with Cluster(world_size=world) as cluster:
             for _ in range(args.rounds):
                 for name, (kind, options) in VARIANTS.items():
-                    cfg = TrainConfig(strategy="fsdp" if kind == "fsdp" else "ddp", **base)
+                    cfg = TrainConfig(wrapper="fsdp" if kind == "fsdp" else "ddp", **base)
                     wrap, optimizer_for = _wrapper(kind, **options)
                     timeline = Timeline()
                     cluster.run(train, cfg, wrap=wrap, optimizer_for=optimizer_for, timeout=600, observe=[timeline])

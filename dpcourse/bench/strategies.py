@@ -29,13 +29,13 @@ ROWS = {
     "DDP": TRAIN_OPTIONS["ddp"],
     **{f"FSDP1 {s}": TRAIN_OPTIONS[s] for s in ("NO_SHARD", "SHARD_GRAD_OP", "FULL_SHARD")},
     "FSDP1 HYBRID_SHARD": dict(TRAIN_OPTIONS["HYBRID_SHARD"], shard_group_size=2),
-    "FSDP2 reshard": dict(strategy="fully_shard", reshard_after_forward=True),
-    "FSDP2 no reshard": dict(strategy="fully_shard", reshard_after_forward=False),
-    "FSDP2 one unit": dict(strategy="fully_shard", auto_wrap="none"),
-    "FSDP2 units by size": dict(strategy="fully_shard", auto_wrap="size", min_num_params=50_000),
-    "FSDP1 bf16": dict(strategy="fsdp", mixed_precision="bf16"),
-    "FSDP2 bf16": dict(strategy="fully_shard", mixed_precision="bf16"),
-    "FSDP2 bf16, reduce fp32": dict(strategy="fully_shard", mixed_precision="bf16", reduce_dtype="fp32"),
+    "FSDP2 reshard": dict(wrapper="fully_shard", reshard_after_forward=True),
+    "FSDP2 no reshard": dict(wrapper="fully_shard", reshard_after_forward=False),
+    "FSDP2 one unit": dict(wrapper="fully_shard", auto_wrap="none"),
+    "FSDP2 units by size": dict(wrapper="fully_shard", auto_wrap="size", min_num_params=50_000),
+    "FSDP1 bf16": dict(wrapper="fsdp", mixed_precision="bf16"),
+    "FSDP2 bf16": dict(wrapper="fully_shard", mixed_precision="bf16"),
+    "FSDP2 bf16, reduce fp32": dict(wrapper="fully_shard", mixed_precision="bf16", reduce_dtype="fp32"),
 }
 
 
@@ -65,7 +65,7 @@ def main(args) -> int:
     sizes = {"d_hidden": args.d_hidden, "depth": 4}
     print(__doc__.split("\n\n")[0].strip())
     for world in args.world_sizes:
-        names = [n for n, o in ROWS.items() if world >= 4 or o["strategy"] != "fsdp"
+        names = [n for n, o in ROWS.items() if world >= 4 or o["wrapper"] != "fsdp"
                  or o.get("sharding_strategy") != "HYBRID_SHARD"]
         cpu, wall, comm, peak = {n: [] for n in names}, {n: [] for n in names}, {}, {}
         with Cluster(world_size=world) as cluster:
@@ -83,7 +83,7 @@ def main(args) -> int:
         base = statistics.median(cpu["DDP"])
         print(f"\nworld_size={world}, MLP with {psi / 4:,.0f} parameters (Ψ = {psi / 1e3:.0f} kB fp32), "
               f"{args.rounds} interleaved rounds (the observers add their own time: compare rows, not runs)")
-        header = ("strategy", "CPU ms/step", "vs DDP", "wall ms/step", "peak kB/rank", "all-gathers",
+        header = ("setup", "CPU ms/step", "vs DDP", "wall ms/step", "peak kB/rank", "all-gathers",
                   "logical kB sent", "theory kB", "Gloo wire kB")
         rows = []
         for name in names:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 
 from .. import vocab
@@ -16,7 +17,7 @@ class ConfigError(ValueError):
 class TrainConfig:
     """Everything one training run needs. Sizes are per rank unless named global."""
 
-    strategy: str = "ddp"                  # ddp | fsdp (FSDP1) | fully_shard (FSDP2): vocab.WRAPPERS
+    wrapper: str = "ddp"                   # ddp | fsdp (FSDP1) | fully_shard (FSDP2): vocab.WRAPPERS
     sharding_strategy: str = "FULL_SHARD"  # FSDP1 only
     shard_group_size: int | None = None    # HYBRID_SHARD / fully_shard on a 2-D mesh: ranks per group
     reshard_after_forward: bool = True     # fully_shard only
@@ -58,9 +59,9 @@ class TrainConfig:
             self.hybrid_mesh_shape(world_size)
         if self.reduce_dtype is not None:
             vocab.check_name("reduce_dtype", self.reduce_dtype, vocab.MIXED_PRECISION, ConfigError)
-            if self.strategy == "ddp" or self.mixed_precision == "fp32":
+            if self.wrapper == "ddp" or self.mixed_precision == "fp32":
                 raise ConfigError("reduce_dtype is FSDP's mixed-precision option (MixedPrecision, "
-                                  "MixedPrecisionPolicy): use it with strategy='fsdp' or 'fully_shard' "
+                                  "MixedPrecisionPolicy): use it with wrapper='fsdp' or 'fully_shard' "
                                   "and mixed_precision='bf16' or 'fp16'")
         if self.mixed_precision == "bf16" and device_type == "cuda":
             import torch
@@ -85,7 +86,13 @@ class TrainConfig:
 
     def ledger_strategy(self) -> str:
         """This run's name in ``vocab.SHARDING``: FSDP1 by its sharding_strategy, else the wrapper's."""
-        return self.sharding_strategy if self.strategy == "fsdp" else self.strategy
+        return self.sharding_strategy if self.wrapper == "fsdp" else self.wrapper
+
+    def __getattr__(self, name):
+        # called only for a missing attribute: an old field's name says where it went
+        if name in RENAMED:
+            raise AttributeError(_renamed_message(name))
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def hybrid_mesh_shape(self, world_size: int) -> tuple[int, int]:
         """(replicate, shard) sizes of HYBRID_SHARD's 2-D mesh; ``vocab.shard_group`` checks
@@ -99,10 +106,36 @@ class TrainConfig:
         return world_size // shard, shard
 
 
+# Fields that changed name: old -> new. "strategy" was the wrapper; in the rest of the course
+# (vocab.SHARDING, the memory ledger, step_bytes) a strategy is what gets sharded.
+RENAMED = {"strategy": "wrapper"}
+
+
+def _renamed_message(old: str) -> str:
+    return (f"TrainConfig.{old} is now TrainConfig.{RENAMED[old]}: how the model is wrapped "
+            f"({', '.join(vocab.WRAPPERS)}); a strategy is what gets sharded (sharding_strategy, "
+            "and the memory ledger's names)")
+
+
+def _refuse_renamed(init):
+    """``TrainConfig.__init__``, with a clear TypeError for a field's old name."""
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        renamed = sorted(RENAMED.keys() & kwargs.keys())
+        if renamed:
+            raise TypeError(f"TrainConfig({renamed[0]}=...): {_renamed_message(renamed[0])}")
+        init(self, *args, **kwargs)
+    return __init__
+
+
+TrainConfig.__init__ = _refuse_renamed(TrainConfig.__init__)
+
+
 # One line per option for --help: what it means and its units; "%(default)s" shows the default.
 HELP = {
-    "strategy": "data-parallel wrapper: ddp (DistributedDataParallel), fsdp (FSDP1 "
-                "FullyShardedDataParallel), fully_shard (FSDP2); default %(default)s",
+    "wrapper": "data-parallel wrapper: ddp (DistributedDataParallel), fsdp (FSDP1 "
+               "FullyShardedDataParallel), fully_shard (FSDP2); --strategy is its older name; "
+               "default %(default)s",
     "sharding_strategy": "FSDP1 only: what is sharded -- FULL_SHARD (params, grads, optimizer "
                          "state), SHARD_GRAD_OP (grads, optimizer state), HYBRID_SHARD (FULL_SHARD "
                          "within a node, replicated across), NO_SHARD (like DDP); default %(default)s",
@@ -154,7 +187,7 @@ HELP = {
                   "before it fails with a message (torchrun --max-restarts can then restart it; "
                   "PyTorch's default is 30 minutes); default %(default)s",
 }
-CHOICES = {"strategy": tuple(vocab.WRAPPERS), "sharding_strategy": tuple(vocab.SHARDING_STRATEGIES),
+CHOICES = {"wrapper": tuple(vocab.WRAPPERS), "sharding_strategy": tuple(vocab.SHARDING_STRATEGIES),
            "auto_wrap": vocab.AUTO_WRAP, "mixed_precision": vocab.MIXED_PRECISION,
            "optimizer": tuple(vocab.OPTIMIZERS), "model": vocab.MODELS}
 
@@ -184,7 +217,9 @@ def make_parser() -> argparse.ArgumentParser:
         else:
             kwargs["type"] = int if f.name == "shard_group_size" else (type(value) if value is not None else str)
             kwargs["metavar"] = {int: "N", float: "X"}.get(kwargs["type"], "DIR" if "dir" in f.name else "FILE")
-        parser.add_argument(flag, **kwargs)
+        # --strategy: the wrapper's older name on the command line, kept so old commands run
+        old = [f"--{o}" for o, new in RENAMED.items() if new == f.name]
+        parser.add_argument(flag, *old, dest=f.name, **kwargs)
     return parser
 
 

@@ -1,6 +1,6 @@
 """Wrap a model for data parallelism: DDP, FSDP1 (four sharding strategies) or FSDP2.
 
-Order matters and is the same for every strategy:
+Order matters and is the same for every wrapper:
   1. build the model on this rank's device from the same seed on every rank -- DDP would
      broadcast rank 0's weights itself, FSDP1's ``sync_module_states`` needs an accelerator,
      and FSDP2 does not do it at all; with different weights FSDP silently trains a mixture
@@ -124,9 +124,9 @@ def apply_fsdp2(model: nn.Module, device: torch.device, cfg: TrainConfig, block_
 def describe(model: nn.Module, cfg: TrainConfig) -> str:
     """One line saying what was actually applied (printed by rank 0)."""
     world = dist.get_world_size()
-    if cfg.strategy == "ddp":
+    if cfg.wrapper == "ddp":
         return f"DDP over {world} ranks (gradient_as_bucket_view={cfg.gradient_as_bucket_view})"
-    if cfg.strategy == "fully_shard":
+    if cfg.wrapper == "fully_shard":
         units = sum(1 for m in model.modules() if type(m).__name__.startswith("FSDP"))
         over = f"{world} ranks"
         if cfg.shard_group_size is not None:

@@ -1,4 +1,4 @@
-"""One training loop for every strategy, run on each rank of an initialised process group.
+"""One training loop for every wrapper, run on each rank of an initialised process group.
 
 The same function runs under ``torchrun`` (``python -m dpcourse.train``) and on the
 notebook's ranks (``cluster.run(dpc.train.train, cfg)``); it needs no cluster. What it takes
@@ -29,7 +29,7 @@ from .config import TrainConfig
 def build(cfg: TrainConfig, device: torch.device, wrap=None, optimizer_for=None):
     """Model (wrapped), optimizer, sampler and loader for this rank.
 
-    wrap: a callable that wraps the model instead of ``cfg.strategy``'s wrapper (a from-scratch
+    wrap: a callable that wraps the model instead of ``cfg.wrapper`` (a from-scratch
     one, a learner's); optimizer_for: ``params -> optimizer`` instead of ``cfg.optimizer``'s.
     """
     model = models.build_model(cfg.model, seed=cfg.seed, **cfg.model_sizes).to(device)
@@ -37,10 +37,10 @@ def build(cfg: TrainConfig, device: torch.device, wrap=None, optimizer_for=None)
     # Every rank built the same seeded weights: FSDP does not broadcast them (DDP would).
     if wrap is not None:
         model = wrap(model)
-    elif cfg.strategy == "ddp":
+    elif cfg.wrapper == "ddp":
         model = parallel.apply_ddp(model, device, cfg)
     else:
-        apply = parallel.apply_fsdp if cfg.strategy == "fsdp" else parallel.apply_fsdp2
+        apply = parallel.apply_fsdp if cfg.wrapper == "fsdp" else parallel.apply_fsdp2
         model = apply(model, device, cfg, blocks)
     optimizer = optimizer_for(model.parameters()) if optimizer_for else make_optimizer(cfg, model.parameters())
     sampler, loader = make_loader(cfg, dist.get_rank(), dist.get_world_size())
@@ -105,7 +105,7 @@ def train(cfg: TrainConfig, full_state: bool = False, wrap=None, optimizer_for=N
               flush=True)  # seen even if this attempt is killed
     # DDP + autocast: fp32 weights, low-precision compute (FSDP's MixedPrecision is in the wrap)
     autocast = (torch.autocast(device.type, dtype=parallel._DTYPES[cfg.mixed_precision])
-                if cfg.strategy == "ddp" and cfg.mixed_precision != "fp32" else contextlib.nullcontext())
+                if cfg.wrapper == "ddp" and cfg.mixed_precision != "fp32" else contextlib.nullcontext())
     losses = []
     for step, (x, y) in batches(loader, sampler, begin.step, cfg.steps, begin.epoch, begin.batch):
         x, y = x.to(device), y.to(device)
