@@ -78,6 +78,30 @@ def test_gloo_reduce_scatters_get_an_end_without_a_second_wait(cluster2):
     assert scatters and all(r.end is not None and r.end >= r.start for r in scatters)
     spans = [e for e in timeline.events() if e.kind == "reduce_scatter"]
     assert len(spans) == len([r for r in comm.records(rank=0, step=-1) if r.collective == "reduce_scatter"]) * 2
+    # one byte convention: the timeline's span carries the payload S Comm counts (the input)
+    assert sorted(e.nbytes for e in spans if e.rank == 0) == \
+        sorted(r.nbytes for r in comm.records(rank=0, step=-1) if r.collective == "reduce_scatter")
+
+
+def _hooks_while_training(steps=3):
+    """The rank's global hooks, counted inside a few observed training steps."""
+    model = dpc.models.build_model("mlp", seed=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = dpc.models.make_dataset("mlp", BATCH).tensors
+    for _ in range(steps):
+        F.mse_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return _what_is_installed()[:4]
+
+
+def test_observers_of_one_call_share_one_step_clock(cluster2):
+    """Comm and Timeline add no global hook to Memory's: one clock counts the steps for all."""
+    alone = cluster2.run(_hooks_while_training, observe=[dpc.observe.Memory()])
+    comm, timeline, memory = dpc.observe.Comm(), dpc.observe.Timeline(), dpc.observe.Memory()
+    together = cluster2.run(_hooks_while_training, observe=[comm, timeline, memory])
+    assert together == alone
+    assert comm.of_rank(0)["steps"] == memory.of_rank(0)["steps"] == len(timeline.step_seconds(rank=0)) == 3
 
 
 def test_a_rank_function_runs_unchanged_without_observers_and_raises_through_them(cluster2):

@@ -10,6 +10,7 @@ the learner's runs in the kernel.
 """
 from __future__ import annotations
 
+from ..observe.observer import Observer
 from ..train import TrainConfig, train
 from ..train.runner import train_single_process
 
@@ -83,19 +84,22 @@ def miss(predicted, measured: float, tolerance: float) -> tuple[bool | None, str
     return False, f"{way} {size}"
 
 
-class AtRest:
+class AtRest(Observer):
     """Observer: what each rank holds right after every ``optimizer.step()``, by the memory
     ledger's categories, and when each step ended.
 
     The same walk as ``dpc.observe.Memory``'s at-rest bytes (``observe.held.held_bytes``:
     unique storages by role, DTensor shards and FSDP1's flat shards included), without
     Memory's change-by-change recorder, which costs seconds per run: the checkers only need
-    the bytes between steps. Step ends come from the same ``optimizer.step()`` hook.
+    the bytes between steps. Step ends come from the same step clock the course's observers
+    share (``observe.watch.LoopWatch``).
 
         held = AtRest(); cluster.run(train_wrapped, wrap, sizes, observe=[held])
         held.at_rest(rank=0)   # {"parameters": ..., "gradients": ..., "optimizer_state": ..., ...}
         held.steps_per_second(rank=0)   # from the fastest step after the first
     """
+
+    NAME = "held"   # in the message when nothing was observed yet
 
     def __init__(self):
         self.per_rank: list[dict] | None = None
@@ -104,8 +108,7 @@ class AtRest:
         from ..observe.watch import LoopWatch
 
         self._held, self._ends = None, []
-        self._watch = LoopWatch(on_step_end=self._on_step_end)
-        self._watch.__enter__()
+        self._watch = self.watch(LoopWatch(on_step_end=self._on_step_end))
         return self
 
     def _on_step_end(self, watch) -> None:
@@ -117,17 +120,13 @@ class AtRest:
         self._held = held_bytes(watch.root, watch.optimizer)
 
     def __exit__(self, *exc):
-        self._watch.__exit__(*exc)
-        self._watch = None  # the model and optimizer it saw are the run's, not the observer's
+        self.unwatch(*exc)  # the clock drops the model and optimizer it saw: they are the run's
 
     def result(self) -> dict:
         return {"held": self._held, "ends": self._ends}
 
-    def collect(self, per_rank: list) -> None:
-        self.per_rank = per_rank
-
     def at_rest(self, rank: int = 0) -> dict:
-        held = self.per_rank[rank]["held"]
+        held = self.of_rank(rank)["held"]
         if held is None:
             raise RuntimeError(f"rank {rank} ran no optimizer step")
         return dict(held)
@@ -135,7 +134,7 @@ class AtRest:
     def steps_per_second(self, rank: int = 0) -> float | None:
         """One over the fastest step after the first (the first builds Adam's state; other
         work on the machine only ever adds time); None with fewer than three steps."""
-        ends = self.per_rank[rank]["ends"]
+        ends = self.of_rank(rank)["ends"]
         steps = [b - a for a, b in zip(ends, ends[1:])]
         return 1 / min(steps) if steps and min(steps) > 0 else None
 

@@ -16,7 +16,11 @@ Each is a context manager the pool enters on every rank around the call
 (``cluster.run(fn, observe=[...])``, ``cluster.run_script(path, observe=[...])``), so the
 function itself has no measuring line in it; the ranks' results come back to the kernel's
 observer. The same observers run around ``python -m dpcourse.train --measure ...``. Steps
-are counted at ``optimizer.step()`` (``watch.LoopWatch``).
+are counted at ``optimizer.step()`` by one clock per process that every observer of a call
+shares (``watch.StepClock``, entered through ``watch.LoopWatch``), so "step 2" is one step
+for all of them; bytes of a collective are its payload S as nccl-tests defines it, one
+convention for every observer (``payload.payload_bytes``). Each is an ``observer.Observer``:
+``collect`` keeps the ranks' results in the kernel, ``of_rank`` reads one.
 """
 from .comm import Comm
 from .memory import Memory

@@ -5,11 +5,12 @@ all-gathers and reduce-scatters -- ends in a ``torch.ops.c10d`` operator, and ev
 point-to-point call in ``dist.send``/``recv``/``isend``/``irecv``; the process's collective
 tracker (``dpcourse.pool.tracker``, the one the hang diagnosis uses) sees each with its
 tensors and its ``Work``. For each, ``Comm`` records the payload S as nccl-tests defines it
-(the all_gather output, the reduce_scatter input, a send's message) and what a
-bandwidth-optimal algorithm makes this rank send (``logical_sent``: S times
-``dpcourse.collectives.cost.bus_factor``), the process group's ranks, and when it was
-issued and completed (``Completions``). A record's ``step`` is the number of ``optimizer.step()`` calls that
-had completed when it was issued (``LoopWatch``), so step 2's records are the third step's.
+(``payload.payload_bytes``: the all_gather output, the reduce_scatter input, a send's
+message) and what a bandwidth-optimal algorithm makes this rank send (``logical_sent``: S
+times ``dpcourse.collectives.cost.bus_factor``), the process group's ranks, and when it was
+issued and completed (``Completions``). A record's ``step`` is the number of
+``optimizer.step()`` calls that had completed when it was issued (the call's shared step
+clock, ``watch.LoopWatch``), so step 2's records are the third step's.
 
 Wire bytes: ``/proc/self/io``'s ``wchar`` counts every byte the process hands to write
 calls, socket writes included -- what Gloo's TCP transport really sends, plus a few header
@@ -25,16 +26,11 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..collectives.cost import bus_factor
-from ..pool.tracker import TRACKER, process_group
+from ..pool.tracker import process_group
 from ..torch_private import flight_recorder_entries, tensor_version
-from .collected import Collected
+from .observer import Observer
+from .payload import first_tensor, issued_bytes
 from .watch import LoopWatch
-
-# Where S is among a c10d op's arguments: 0, the input; 1, the output (all_gather's input is
-# one rank's share, reduce_scatter's output is); None, no payload.
-_PAYLOAD_ARG = {"_reduce_scatter_base_": 1, "reduce_scatter_": 1, "reduce_scatter_tensor_coalesced_": 1,
-                "alltoall_base_": 1, "alltoall_": 1, "gather_": 1, "barrier": None,
-                "monitored_barrier_": None}
 
 
 @dataclass
@@ -58,14 +54,6 @@ class CommRecord:
     end: float | None = None
     peer: int | None = None
     payload: torch.Tensor | None = None
-
-
-def _nbytes(arg) -> int:
-    if isinstance(arg, torch.Tensor):
-        return arg.numel() * arg.element_size()
-    if isinstance(arg, (list, tuple)):
-        return sum(_nbytes(a) for a in arg)
-    return 0
 
 
 class Completions:
@@ -155,15 +143,6 @@ class Completions:
             self._thread.join(max(0.0, deadline - time.monotonic()))
 
 
-def first_tensor(arg) -> torch.Tensor | None:
-    """The first tensor in a c10d op's argument (a tensor or nested lists of them)."""
-    if isinstance(arg, torch.Tensor):
-        return arg
-    if isinstance(arg, (list, tuple)):
-        return next((t for t in map(first_tensor, arg) if t is not None), None)
-    return None
-
-
 def logical_sent(collective: str, nbytes: int, world_size: int) -> int | None:
     """Bytes a bandwidth-optimal algorithm makes one rank send for ``collective`` on S bytes."""
     if collective == "send":
@@ -206,7 +185,7 @@ def wire_bytes_written() -> int | None:
     return None
 
 
-class Comm(Collected):
+class Comm(Observer):
     """Observer: every collective a rank issues, with its bytes, by training step.
 
         comm = dpc.observe.Comm()
@@ -247,29 +226,25 @@ class Comm(Collected):
         self._records: list[CommRecord] = []
         self._completions = Completions()
         self._wire = [wire_bytes_written()]  # at the call's start and at every step's end
-        self._watch = LoopWatch(on_step_end=lambda w: self._wire.append(wire_bytes_written()))
-        self._watch.__enter__()
-        self._listening = TRACKER.listen(self._issued)
-        self._listening.__enter__()
+        self._watch = self.watch(LoopWatch(on_step_end=lambda w: self._wire.append(wire_bytes_written())),
+                                 listen=self._issued)
         return self
 
     def __exit__(self, *exc):
-        self._listening.__exit__(*exc)
-        self._watch.__exit__(*exc)
+        self.unwatch(*exc)
         self._wire.append(wire_bytes_written())
         self._completions.close()
 
     def _issued(self, issued) -> None:
         name, args = issued.op, issued.args
+        nbytes = issued_bytes(issued)
         if issued.collective in ("send", "recv") and name in ("send", "recv", "isend", "irecv"):
             tensor, peer, group = args
-            nbytes, n = _nbytes(tensor), (group.size() if group is not None else self._dist.get_world_size())
             payload = tensor.detach().clone() if self.payloads and issued.collective == "send" else None
         else:
-            where = _PAYLOAD_ARG.get(name, 0)
-            nbytes = _nbytes(args[where]) if where is not None and len(args) > where else 0
             group = next((g for g in map(process_group, args) if g is not None), None)
-            n, peer, payload = group.size() if group is not None else self._dist.get_world_size(), None, None
+            peer, payload = None, None
+        n = group.size() if group is not None else self._dist.get_world_size()
         ranks = tuple(self._dist.get_process_group_ranks(group)) if group is not None else None
         record = CommRecord(name, issued.collective, nbytes, n, logical_sent(issued.collective, nbytes, n),
                             ranks, self._watch.steps, issued.start, peer=peer, payload=payload)

@@ -23,8 +23,8 @@ WAIT = "wait"
 class Event:
     """One span on one rank: ``lane`` "compute" or "comm", ``kind`` (forward, backward,
     wait, all_reduce, all_gather, reduce_scatter, free, ...), ``name`` (a layer, bucket or
-    unit), ``start``/``end`` in seconds, ``nbytes``: bytes of the communicated tensor (0 for
-    compute), ``step``: the training step (optimizer steps completed before it began)."""
+    unit), ``start``/``end`` in seconds, ``nbytes``: the collective's payload S in bytes
+    (``payload.payload_bytes``, as ``Comm`` counts it; 0 for compute), ``step``: the training step (optimizer steps completed before it began)."""
     rank: int
     lane: str
     kind: str

@@ -6,10 +6,10 @@
     mem.peak(rank=0)         # (bytes, phase) at the recorded step's fullest moment
     mem.frames(rank=0)       # per phase of that step: bytes by category at its end and peak
 
-Attached from outside (``LoopWatch``): the model is the outermost module the loop calls, the
-optimizer the one that steps. *At rest* is right after the recorded step's
-``optimizer.step()``, before ``zero_grad``: every model state is alive (``held.held_bytes``,
-unique storages by role). The whole call is recorded change by change with PyTorch's
+Attached from outside (the call's shared step clock, ``watch.LoopWatch``): the model is the
+outermost module the loop calls, the optimizer the one that steps. *At rest* is right after
+the recorded step's ``optimizer.step()``, before ``zero_grad``: every model state is alive
+(``held.held_bytes``, unique storages by role). The whole call is recorded change by change with PyTorch's
 ``MemTracker`` (``record.CallRecorder``); the frames are those of the recorded step, from
 the end of the step before it (where ``zero_grad`` usually runs) to its own optimizer step,
 counted from what the walk found at that start. The storages get their roles once the
@@ -30,10 +30,10 @@ import torch
 from torch import nn
 from ..torch_private import ddp_has_comm_hook, ddp_logging_data, tree_flatten
 
-from .collected import Collected
 from .held import capture_buckets, held_bytes
+from .observer import Observer
 from .record import CallRecorder
-from .watch import LoopWatch, remove_hooks, unwrapped_names
+from .watch import LoopWatch, unwrapped_names
 
 
 def _units(root: nn.Module) -> dict:
@@ -58,7 +58,7 @@ def _ddp_bucket_bytes(root: nn.Module) -> int:
     return sum(int(b) for b in str(data.get("bucket_sizes", "")).split())
 
 
-class Memory(Collected):
+class Memory(Observer):
     """Observer: bytes by category on every rank, at rest and over one training step.
 
     step: which step's frames and at-rest bytes to keep (0-based; 1 or later); None, the
@@ -79,24 +79,19 @@ class Memory(Collected):
 
     # --- on the rank -----------------------------------------------------------------
     def __enter__(self):
-        from torch.nn.modules import module as nn_module
-
         self._buckets, self._ddp_seen = {}, set()
         self._units: dict = {}
         self._stack: list[str] = []
         self._marks: list[tuple[int, dict]] = []  # per step: (its "zero_grad" phase after it, held then)
         self._recorder = CallRecorder()
         self._recorder.__enter__()
-        self._watch = LoopWatch(on_forward=self._on_forward, on_step_begin=self._on_step_begin,
-                                on_step_end=self._on_step_end)
-        self._watch.__enter__()
-        self._handles = [nn_module.register_module_forward_pre_hook(self._pre_forward),
-                         nn_module.register_module_forward_hook(self._post_forward)]
+        self._watch = self.watch(LoopWatch(on_forward=self._on_forward, on_step_begin=self._on_step_begin,
+                                           on_step_end=self._on_step_end, on_module_forward=self._pre_forward,
+                                           on_module_output=self._post_forward))
         return self
 
     def __exit__(self, *exc):
-        self._handles = remove_hooks(self._handles)
-        self._watch.__exit__(*exc)
+        self.unwatch(*exc)
         self._recorder.__exit__(*exc)
 
     # --- phases ----------------------------------------------------------------------

@@ -20,7 +20,7 @@ import weakref
 import torch
 
 from ..torch_private import tensor_base
-from .collected import Collected
+from .observer import Observer
 
 
 class _Saved:
@@ -30,7 +30,7 @@ class _Saved:
         self.tensor = tensor
 
 
-class Activations(Collected):
+class Activations(Observer):
     """Observer: bytes saved for backward on every rank (``live`` now, ``peak`` so far)."""
 
     NAME = "acts"   # in the message when nothing was observed yet

@@ -18,7 +18,12 @@ Nothing in the training code changes; PyTorch's public hooks say what happens:
   optimizer step, the time ``backward()`` sat waiting for communication (in a plain loop).
 * **comm**, per collective: from the moment it was issued (the collective tracker,
   ``dpcourse.pool.tracker``) to the moment its ``Work`` completed (its future's callback,
-  which the backend runs when the operation is done, not when somebody waits for it).
+  which the backend runs when the operation is done, not when somebody waits for it); its
+  ``nbytes`` is the payload S as ``Comm`` counts it (``payload.payload_bytes``: a
+  reduce-scatter's input, an all-gather's output).
+
+Steps, layers' forwards and the optimizer come from the call's shared step clock
+(``watch.LoopWatch``), the one every observer of the call reads.
 
 Times are ``time.perf_counter()``, CLOCK_MONOTONIC on Linux: one clock for every process of
 a machine, so ranks line up. On a GPU the compute spans are when the CPU issued the work.
@@ -30,10 +35,11 @@ import time
 import torch
 from ..torch_private import queue_backward_callback, tree_flatten
 
-from ..pool.tracker import TRACKER
-from .comm import Completions, first_tensor
+from .comm import Completions
 from . import events as ev
-from .watch import LoopWatch, remove_hooks, unwrapped_names
+from .observer import Observer
+from .payload import first_tensor, issued_bytes
+from .watch import LoopWatch, unwrapped_names
 
 
 def _is_layer(module) -> bool:
@@ -44,19 +50,17 @@ def _grad_outputs(output):
     return [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
 
 
-class Timeline:
+class Timeline(Observer):
     """Observer: compute and communication spans on every rank, by training step."""
 
-    def __init__(self):
-        self.per_rank: list[list[dict]] | None = None
+    NAME = "timeline"   # in the message when nothing was observed yet
 
-    def __repr__(self) -> str:
-        return "Timeline()" if self.per_rank is None else f"Timeline(observed on {len(self.per_rank)} ranks)"
+    def __init__(self):
+        self.per_rank: list[dict] | None = None
 
     # --- on the rank -----------------------------------------------------------------
     def __enter__(self):
         import torch.distributed as dist
-        from torch.nn.modules import module as nn_module
 
         self._rank = dist.get_rank() if dist.is_initialized() else 0
         self._events: list[dict] = []
@@ -67,19 +71,13 @@ class Timeline:
         self._comm_counts: dict[str, int] = {}
         self._completions = Completions()
         self._clocks = [(time.perf_counter(), time.process_time())]  # at the start and every step's end
-        self._watch = LoopWatch(on_forward=self._on_outer_forward, on_step_begin=self._on_step_begin,
-                                on_step_end=self._on_step_end)
-        self._watch.__enter__()
-        self._handles = [nn_module.register_module_forward_pre_hook(self._pre_forward),
-                         nn_module.register_module_forward_hook(self._post_forward)]
-        self._listening = TRACKER.listen(self._issued)
-        self._listening.__enter__()
+        self._watch = self.watch(LoopWatch(on_forward=self._on_outer_forward, on_step_begin=self._on_step_begin,
+                                           on_step_end=self._on_step_end, on_module_forward=self._pre_forward,
+                                           on_module_output=self._post_forward), listen=self._issued)
         return self
 
     def __exit__(self, *exc):
-        self._listening.__exit__(*exc)
-        self._handles = remove_hooks(self._handles)
-        self._watch.__exit__(*exc)
+        self.unwatch(*exc)
         self._completions.close()  # collectives without a future report from its thread
 
     def _add(self, lane: str, kind: str, name: str, start: float, end: float, nbytes: int = 0,
@@ -147,11 +145,9 @@ class Timeline:
             return
         count = self._comm_counts.get(issued.collective, 0)
         self._comm_counts[issued.collective] = count + 1
-        tensor = issued.args[0] if issued.args else None
-        nbytes = sum(t.numel() * t.element_size() for t in tree_flatten(tensor)[0] if torch.is_tensor(t))
         event = {"rank": self._rank, "lane": ev.COMM, "kind": issued.collective,
                  "name": f"{issued.collective} {count}", "start": issued.start, "end": None,
-                 "nbytes": nbytes, "step": self._watch.steps}
+                 "nbytes": issued_bytes(issued), "step": self._watch.steps}
         self._events.append(event)
         if issued.collective != "send" or issued.work is None or isinstance(issued.work, int):
             self._completions.add(issued.work, lambda: event.__setitem__("end", time.perf_counter()),
@@ -166,16 +162,11 @@ class Timeline:
                 "step_cpu_s": [b[1] - a[1] for a, b in zip(clocks, clocks[1:])]}
 
     # --- in the kernel -----------------------------------------------------------------
-    def collect(self, per_rank: list) -> None:
-        self.per_rank = per_rank
-
     def events(self, step: int | None = -1) -> list[ev.Event]:
         """Every rank's events of one step (-1: the last complete one on each rank; None: the
         whole call), merged and shifted so that the earliest starts at 0 (seconds)."""
-        if self.per_rank is None:
-            raise RuntimeError("nothing observed yet: pass this observer to cluster.run(fn, observe=[timeline])")
         chosen = []
-        for events in (r["events"] for r in self.per_rank):
+        for events in (r["events"] for r in self.collected()):
             steps = max((e["step"] for e in events if e["kind"] == "optimizer"), default=None)
             if step is None or steps is None:
                 chosen.append(events)
@@ -192,9 +183,7 @@ class Timeline:
     def step_seconds(self, rank: int = 0, cpu: bool = False) -> list[float]:
         """Seconds of each training step on ``rank`` (from the end of the one before, or the
         call's start), wall clock -- or CPU time of the rank's process with ``cpu=True``."""
-        if self.per_rank is None:
-            raise RuntimeError("nothing observed yet: pass this observer to cluster.run(fn, observe=[timeline])")
-        return list(self.per_rank[rank]["step_cpu_s" if cpu else "step_s"])
+        return list(self.of_rank(rank)["step_cpu_s" if cpu else "step_s"])
 
     def summary(self, step: int | None = -1, rank: int = 0) -> dict:
         """``rank``'s step in numbers: ``step_s`` (first event to last), ``comm_s`` (seconds

@@ -12,6 +12,13 @@ and ``register_optimizer_step_post_hook``). From those alone a ``LoopWatch`` kno
 * ``steps``: how many optimizer steps have completed (a "step" ends with ``optimizer.step()``),
 
 and calls its owner back at the start of each outermost forward and around each step.
+
+One ``StepClock`` per process holds those hooks, whatever the number of observers: the first
+``LoopWatch`` entered installs them, the last to leave removes them, and every observer of a
+call reads the same step count (``Comm``'s records, ``Timeline``'s spans and ``Memory``'s
+frames say "step 2" of the same step). The observers that time layers or mark phases ask the
+same clock for every module's forward (``on_module_forward``, ``on_module_output``) instead
+of registering hooks of their own.
 """
 from __future__ import annotations
 
@@ -28,43 +35,83 @@ def remove_hooks(handles: list) -> list:
     return []
 
 
-class LoopWatch:
-    """Inside ``with LoopWatch(on_forward=..., on_step_begin=..., on_step_end=...):`` the
-    callbacks run at every outermost module forward (``on_forward(module)``) and before and
-    after every ``optimizer.step()`` (``on_step_begin(watch)``, ``on_step_end(watch)``)."""
+class StepClock:
+    """The process's one view of the training loop: four global hooks (module forward pre/post,
+    optimizer step pre/post) that every observer entered at the same time shares.
 
-    def __init__(self, on_forward=None, on_step_begin=None, on_step_end=None):
-        self.on_forward, self.on_step_begin, self.on_step_end = on_forward, on_step_begin, on_step_end
+    Built by the first ``LoopWatch`` entered in a process and dropped, hooks removed, when the
+    last one leaves, so observers of one call (``observe=[comm, timeline, mem]``) count the
+    same steps from one set of hooks instead of one set each. It calls back every watch
+    subscribed to it, in the order they were entered."""
+
+    _current: "StepClock | None" = None  # the clock of the watches entered now, in this process
+
+    def __init__(self):
         self.steps = 0
         self.optimizer = None
         self.root: nn.Module | None = None
+        self.watches: list[LoopWatch] = []
         self._outermost: list[nn.Module] = []  # outermost modules called since the last step
         self._depth = 0
         self._handles: list = []
 
+    @classmethod
+    def join(cls, watch: "LoopWatch") -> "StepClock":
+        """Subscribe ``watch`` to the process's clock, starting one (and its hooks) if none runs."""
+        if cls._current is None:
+            cls._current = cls().install()
+        cls._current.watches.append(watch)
+        return cls._current
+
+    def leave(self, watch: "LoopWatch") -> None:
+        """Unsubscribe ``watch``; the last to leave removes the hooks and drops the clock (and the
+        model and optimizer it saw: they are the run's, not the observers')."""
+        self.watches = [w for w in self.watches if w is not watch]
+        if not self.watches:
+            self._handles = remove_hooks(self._handles)
+            self.root = self.optimizer = None
+            self._outermost = []
+            if StepClock._current is self:
+                StepClock._current = None
+
+    def install(self) -> "StepClock":
+        from torch.nn.modules import module as nn_module
+        from torch.optim import optimizer as optim
+
+        # always_call: the depth stays right when a forward raises
+        self._handles = [nn_module.register_module_forward_pre_hook(self._pre_forward),
+                         nn_module.register_module_forward_hook(self._post_forward, always_call=True),
+                         optim.register_optimizer_step_pre_hook(self._pre_step),
+                         optim.register_optimizer_step_post_hook(self._post_step)]
+        return self
+
     # --- the hooks -------------------------------------------------------------------
-    def _pre_forward(self, module, _args):
+    def _pre_forward(self, module, args):
         self._depth += 1
         if self._depth == 1:
             if module not in self._outermost:
                 self._outermost.append(module)
-            if self.on_forward is not None:
-                self.on_forward(module)
+            for watch in list(self.watches):
+                watch.tell("on_forward", module)
+        for watch in list(self.watches):
+            watch.tell("on_module_forward", module, args)
 
-    def _post_forward(self, module, _args, _out):
+    def _post_forward(self, module, args, output):
         self._depth = max(0, self._depth - 1)
+        for watch in list(self.watches):
+            watch.tell("on_module_output", module, args, output)
 
     def _pre_step(self, optimizer, _args, _kwargs):
         self.optimizer = optimizer
         self.root = self._find_root(optimizer) or self.root
-        if self.on_step_begin is not None:
-            self.on_step_begin(self)
+        for watch in list(self.watches):
+            watch.tell("on_step_begin", watch)
 
     def _post_step(self, optimizer, _args, _kwargs):
         self.steps += 1
         self._outermost = []
-        if self.on_step_end is not None:
-            self.on_step_end(self)
+        for watch in list(self.watches):
+            watch.tell("on_step_end", watch)
 
     def _find_root(self, optimizer) -> nn.Module | None:
         """The outermost module called since the last step that holds the optimizer's first
@@ -75,19 +122,57 @@ class LoopWatch:
                 return module
         return None
 
+
+class LoopWatch:
+    """Inside ``with LoopWatch(on_forward=..., on_step_begin=..., on_step_end=...):`` the
+    callbacks run at every outermost module forward (``on_forward(module)``) and before and
+    after every ``optimizer.step()`` (``on_step_begin(watch)``, ``on_step_end(watch)``); with
+    ``on_module_forward(module, args)`` and ``on_module_output(module, args, output)``, also
+    around every module's forward (inner ones included; ``output`` None when it raised).
+
+    Every watch entered at once shares the process's ``StepClock`` (one set of global hooks);
+    each counts ``steps`` from the moment it was entered, and keeps the count once left."""
+
+    CALLBACKS = ("on_forward", "on_step_begin", "on_step_end", "on_module_forward", "on_module_output")
+
+    def __init__(self, on_forward=None, on_step_begin=None, on_step_end=None, on_module_forward=None,
+                 on_module_output=None):
+        self.on_forward, self.on_step_begin, self.on_step_end = on_forward, on_step_begin, on_step_end
+        self.on_module_forward, self.on_module_output = on_module_forward, on_module_output
+        self._clock: StepClock | None = None
+        self._first_step = self._steps = 0
+
+    def tell(self, callback: str, *args) -> None:
+        fn = getattr(self, callback)
+        if fn is not None:
+            fn(*args)
+
+    @property
+    def steps(self) -> int:
+        """How many ``optimizer.step()`` calls have completed since this watch was entered."""
+        return self._steps if self._clock is None else self._clock.steps - self._first_step
+
+    @property
+    def root(self) -> nn.Module | None:
+        """The module the loop trains (see the module's docstring); None outside the watch."""
+        return None if self._clock is None else self._clock.root
+
+    @property
+    def optimizer(self):
+        """The optimizer that stepped last; None outside the watch."""
+        return None if self._clock is None else self._clock.optimizer
+
     # --- context ---------------------------------------------------------------------
     def __enter__(self):
-        from torch.nn.modules import module as nn_module
-        from torch.optim import optimizer as optim
-
-        self._handles = [nn_module.register_module_forward_pre_hook(self._pre_forward),
-                         nn_module.register_module_forward_hook(self._post_forward, always_call=True),
-                         optim.register_optimizer_step_pre_hook(self._pre_step),
-                         optim.register_optimizer_step_post_hook(self._post_step)]
+        self._clock = StepClock.join(self)
+        self._first_step = self._clock.steps
         return self
 
     def __exit__(self, *exc):
-        self._handles = remove_hooks(self._handles)
+        if self._clock is not None:
+            self._steps = self.steps
+            self._clock.leave(self)
+            self._clock = None
 
 
 def unwrapped_names(root: nn.Module) -> dict[nn.Module, str]:
