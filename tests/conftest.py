@@ -1,13 +1,14 @@
-"""Shared fixtures. Every test that starts processes cleans up its own PIDs."""
+"""Shared fixtures. Every test that starts processes cleans up its own PIDs (a whole torchrun
+launch with ``dpcourse.processes.end_tree``)."""
 from __future__ import annotations
 
-import os
 import time
 
 import psutil
 import pytest
 
 import dpcourse as dpc
+from dpcourse.processes import stop
 
 
 def descendants() -> list[psutil.Process]:
@@ -34,23 +35,6 @@ def wait_gone(pids, timeout: float = 10.0, zombies_count: bool = False) -> list[
         time.sleep(0.05)
 
 
-def kill_tree(proc) -> None:
-    """SIGKILL a child started with ``start_new_session=True`` and everything it started.
-
-    torchrun puts each worker in a session of its own, so killing the child's process group
-    is not enough: its descendants are collected first (all ours), then killed."""
-    if proc.poll() is not None:
-        return
-    family = psutil.Process(proc.pid).children(recursive=True)
-    os.killpg(proc.pid, 9)
-    for p in family:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    proc.wait()
-
-
 @pytest.fixture(autouse=True, scope="module")
 def no_leftover_processes():
     """After each test module: no process started by it may still run. Kills by PID, then fails."""
@@ -58,11 +42,7 @@ def no_leftover_processes():
     yield
     leftover = [p for p in descendants() if p.pid not in before]
     alive = wait_gone([p.pid for p in leftover], timeout=10)
-    for pid in alive:
-        try:
-            os.kill(pid, 9)
-        except ProcessLookupError:
-            pass
+    stop(alive, grace_s=0)  # found below this process a moment ago: ours
     assert not alive, f"processes left behind by this module: {alive}"
 
 

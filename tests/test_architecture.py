@@ -81,7 +81,9 @@ def test_the_cycle_finder_finds_one():
 
 def test_leaf_rooms_import_no_other_room():
     graph = room_graph()
-    assert graph["pool"] <= {"backends", "torch_private"}  # the pool runs anything, knows nothing of the lessons
+    assert graph["pool"] <= {"backends", "processes", "torch_private"}  # the pool runs anything, knows nothing of the lessons
+    assert not graph["processes"], "the process toolbox (pool, train, exercises, tests use it) imports no room"
+    assert "pool" not in graph["train"], "the runner runs under torchrun: it never needs the notebook's ranks"
     assert not graph["torch_private"], "the one home of PyTorch's private names imports no room"
     assert "collectives" not in graph or graph["collectives"] <= {"pool", "backends", "vocab", "models"}
     assert graph["observe"] <= {"pool", "collectives", "memory", "vocab", "models", "backends", "torch_private"}

@@ -24,8 +24,9 @@ import torch
 import dpcourse as dpc
 from dpcourse.pool.errors import RankDied
 from dpcourse import models
+from dpcourse.processes import (TORCHRUN, end_tree, free_port, launch_env, run_process, start_process,
+                                torchrun_command)
 from dpcourse.train import TrainConfig, checkpoint, train
-from conftest import kill_tree
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(300)
@@ -58,25 +59,17 @@ def _start(tmp_path: Path, steps: int, every: int, restarts: int, **env) -> subp
             "--resume", "auto", "--metrics-path", str(tmp_path / "metrics.json")]
     for key, value in OPTIONS.items():
         args += ["--" + key.replace("_", "-"), str(value)]
-    env = {**os.environ, "TORCHRUN": f"{sys.executable} -m torch.distributed.run", "NPROC_PER_NODE": "2",
-           "MAX_RESTARTS": str(restarts), **env}
-    env.pop("RANK", None)
+    env = launch_env(TORCHRUN=" ".join(TORCHRUN), NPROC_PER_NODE="2", MAX_RESTARTS=str(restarts), **env)
     with open(tmp_path / "log", "w") as log:
-        return subprocess.Popen(args, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-
-
-def _kill_session(agent: subprocess.Popen) -> None:
-    """If the agent still runs, SIGKILL it and every process it started (all ours)."""
-    kill_tree(agent)
+        return start_process(args, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 def _finish(agent: subprocess.Popen, timeout: float = 150) -> int:
-    """Wait for the agent; on timeout kill its session and fail."""
+    """Wait for the agent; on timeout end it with all it started, and fail."""
     try:
         return agent.wait(timeout=timeout)
     finally:
-        _kill_session(agent)
+        end_tree(agent)
 
 
 def _attempts(log: str) -> list[tuple[int, int]]:
@@ -144,7 +137,7 @@ def test_kill_9_of_a_worker_restarts_all_and_resumes_from_the_newest_checkpoint(
         restart_s = time.monotonic() - killed
         assert _finish(agent) == 0, log.read_text()[-3000:]
     finally:
-        _kill_session(agent)
+        end_tree(agent)
     done, resumed = _check_resumed_run(tmp_path, steps, uninterrupted(steps))
     print(f"\ntorchrun, kill -9 of rank 1 during training: {done} steps done, resumed from step "
           f"{resumed}: {done - resumed} steps redone (checkpoint every {every}); "
@@ -201,17 +194,14 @@ def test_kill_9_at_each_point_of_a_checkpoint_write(cluster2, uninterrupted, tmp
 def _plain(tmp_path: Path, steps: int, every: int, *extra: str, **env) -> subprocess.Popen:
     """``torchrun --standalone --max-restarts=1 --nproc_per_node=2 -m dpcourse.train ...`` with
     no TORCH_* or TORCHELASTIC_* variable of ours (the launchers' fix is not there)."""
-    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--max-restarts=1",
-            "--nproc_per_node=2", "-m", "dpcourse.train", "--steps", str(steps),
-            "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", str(every),
-            "--resume", "auto", "--metrics-path", str(tmp_path / "metrics.json"), *extra]
+    args = torchrun_command(2, "--max-restarts=1", "-m", "dpcourse.train", "--steps", steps,
+                            "--checkpoint-dir", tmp_path / "ckpt", "--checkpoint-every", every,
+                            "--resume", "auto", "--metrics-path", tmp_path / "metrics.json", *extra)
     for key, value in OPTIONS.items():
         args += ["--" + key.replace("_", "-"), str(value)]
-    clean = {k: v for k, v in os.environ.items()
-             if not k.startswith(("TORCH_", "TORCHELASTIC_")) and k not in ("RANK", "MASTER_PORT")}
+    clean = {k: v for k, v in launch_env().items() if not k.startswith("TORCH_")}
     with open(tmp_path / "log", "w") as log:
-        return subprocess.Popen(args, cwd=ROOT, env={**clean, **env}, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        return start_process(args, cwd=ROOT, env={**clean, **env}, stdout=log, stderr=subprocess.STDOUT)
 
 
 def test_a_plain_torchrun_command_resumes_after_kill_9_round_after_round(tmp_path, uninterrupted):
@@ -237,7 +227,7 @@ def test_a_plain_torchrun_command_resumes_after_kill_9_round_after_round(tmp_pat
             times.append(time.monotonic() - killed)
             assert _finish(agent) == 0, log.read_text()[-3000:]
         finally:
-            _kill_session(agent)
+            end_tree(agent)
         done, resumed_at = _check_resumed_run(folder, steps, uninterrupted(steps))
         assert 0 <= done - resumed_at <= every
     print(f"\nplain torchrun, kill -9 of rank 1: {rounds} of {rounds} rounds resumed; kill to the "
@@ -253,6 +243,7 @@ def _descendants_of(pid: int) -> list[psutil.Process]:
 
 def test_workers_die_with_a_killed_agent(tmp_path):
     agent = _plain(tmp_path, 100000, 0, "--batch-size", "4")
+    workers = []
     try:
         _wait_for(agent, tmp_path / "log", r"step \d+/100000 loss")
         workers = [p for p in _descendants_of(agent.pid) if "dpcourse.train" in " ".join(p.cmdline())]
@@ -264,24 +255,19 @@ def test_workers_die_with_a_killed_agent(tmp_path):
         assert not alive, f"workers {[p.pid for p in alive]} outlived their agent"
         print(f"\nagent killed: its 2 workers gone within {time.monotonic() - gone:.2f} s")
     finally:
-        _kill_session(agent)
-        for p in _descendants_of(agent.pid):
-            p.kill()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        end_tree(agent)
+        for p in workers:  # psutil handles: a PID reused meanwhile is not killed
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
 
 
 @pytest.mark.parametrize("shared_store", [False, True], ids=["env-store", "agent-store"])
 def test_a_rank_that_cannot_join_fails_within_the_timeout(tmp_path, shared_store):
     """Rank 1 of 2 alone: rank 0 never comes. Gloo would wait 30 minutes; --pg-timeout 3 fails in ~3 s."""
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCH_", "TORCHELASTIC_"))}
+    port = free_port()
+    env = {k: v for k, v in launch_env().items() if not k.startswith("TORCH_")}
     env.update(RANK="1", LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="1",
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     server = None
@@ -289,8 +275,8 @@ def test_a_rank_that_cannot_join_fails_within_the_timeout(tmp_path, shared_store
         server = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
         env.update(TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RUN_ID="test")
     start = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "dpcourse.train", "--pg-timeout", "3", "--steps", "1"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    done = run_process([sys.executable, "-m", "dpcourse.train", "--pg-timeout", "3", "--steps", "1"],
+                       timeout=60, cwd=ROOT, env=env, text=True)
     took = time.monotonic() - start
     del server
     assert done.returncode == 3, done.stderr[-2000:]

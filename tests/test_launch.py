@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,10 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dpcourse.pool.procs import free_port
+from dpcourse.processes import TORCHRUN, end_tree, free_port, launch_env, run_process, start_process
 from dpcourse.train import TrainConfig
 from dpcourse.train.runner import train_single_process
-from conftest import kill_tree
 
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCH = ROOT / "launch"
@@ -21,17 +19,17 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def _env(**extra) -> dict:
-    env = {**os.environ, "TORCHRUN": f"{sys.executable} -m torch.distributed.run", **extra}
-    for name in ("RANK", "MAX_RESTARTS", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"):
+    """The launchers' environment: torchrun with this interpreter, none of our launch settings."""
+    env = launch_env(**{"TORCHRUN": " ".join(TORCHRUN), **extra})
+    for name in ("MAX_RESTARTS", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"):
         if name not in extra:
             env.pop(name, None)
     return env
 
 
 def _run(args, timeout=120, **env):
-    proc = subprocess.run(args, cwd=ROOT, env=_env(**env), capture_output=True, text=True,
-                          timeout=timeout, start_new_session=True)
-    return proc
+    """Run ``args`` to its end in ROOT; past ``timeout`` it is ended with all it started."""
+    return run_process(args, timeout, cwd=ROOT, env=_env(**env), text=True)
 
 
 @pytest.mark.parametrize("script, env, expected", [
@@ -47,7 +45,7 @@ def _run(args, timeout=120, **env):
 def test_dry_runs_print_the_torchrun_command(script, env, expected):
     proc = _run([str(LAUNCH / script), "--wrapper", "fsdp"], DRY_RUN="1", **env)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == expected.format(T=f"{sys.executable} -m torch.distributed.run")
+    assert proc.stdout.strip() == expected.format(T=" ".join(TORCHRUN))
 
 
 def test_slurm_dry_run_puts_the_rendezvous_on_the_head_node():
@@ -129,14 +127,13 @@ def test_two_nodes_with_c10d_rendezvous_repeatedly(tmp_path):
         out = tmp_path / f"m{attempt}.json"
         args = [str(LAUNCH / "torchrun_multi_node.sh"), "--wrapper", "ddp", "--steps", "2",
                 "--batch-size", "4", "--metrics-path", str(out)]  # only rank 0 writes it
-        agents = [subprocess.Popen(args, cwd=ROOT, env=_env(**env), stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, text=True, start_new_session=True)
-                  for _ in range(2)]
+        agents = [start_process(args, cwd=ROOT, env=_env(**env), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True) for _ in range(2)]
         try:
             logs = [a.communicate(timeout=120)[0] for a in agents]
         finally:
             for a in agents:  # our own children, by their Popen handles
-                kill_tree(a)
+                end_tree(a)
         assert [a.returncode for a in agents] == [0, 0], f"attempt {attempt}:\n" + "\n".join(logs)
         ranks = _losses(out)
         assert len(ranks) == 2
@@ -162,9 +159,8 @@ def test_two_nodes_restart_together_and_resume_though_their_restart_counts_diffe
     args = [str(LAUNCH / "torchrun_multi_node.sh"), "--wrapper", "ddp", "--steps", str(steps),
             "--batch-size", "4", "--checkpoint-dir", str(ckpt), "--checkpoint-every", str(every),
             "--resume", "auto", "--no-progress", "--metrics-path", str(out)]
-    agents = [subprocess.Popen(args, cwd=ROOT, env=_env(**env), stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
-              for _ in range(2)]
+    agents = [start_process(args, cwd=ROOT, env=_env(**env), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True) for _ in range(2)]
 
     def workers():
         found = {}
@@ -194,7 +190,7 @@ def test_two_nodes_restart_together_and_resume_though_their_restart_counts_diffe
         logs = [a.communicate(timeout=120)[0] for a in agents]
     finally:
         for a in agents:  # our own children, by their Popen handles
-            kill_tree(a)
+            end_tree(a)
     assert [a.returncode for a in agents] == [0, 0], "\n".join(logs)
     ranks = json.loads(out.read_text())["ranks"]
     first = ranks[0]["first_step"]

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import dpcourse as dpc
 from dpcourse.pool.errors import RankDied
-from dpcourse.exercises import torchrun
+from dpcourse import processes
 from dpcourse.observe import comm as comm_module
 from dpcourse.pool import rank as rank_module
 from dpcourse.pool.procs import MemoryWatch, physical_memory
@@ -99,9 +99,9 @@ def test_without_proc_the_checkers_cleanup_finds_descendants_with_ps(monkeypatch
             assert time.monotonic() < deadline
             time.sleep(0.05)
         expected = sorted(p.pid for p in psutil.Process(tree.pid).children(recursive=True))
-        assert sorted(torchrun._descendants(tree.pid)) == expected
-        monkeypatch.setattr(torchrun, "PROC", "/nonexistent/proc")  # as on macOS
-        assert sorted(torchrun._descendants(tree.pid)) == expected
+        assert sorted(processes.tree(tree.pid)) == expected
+        monkeypatch.setattr(processes, "PROC", "/nonexistent/proc")  # as on macOS
+        assert sorted(processes.tree(tree.pid)) == expected
     finally:
         for p in psutil.Process(tree.pid).children(recursive=True):
             p.kill()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import textwrap
 import time
 
@@ -16,7 +15,7 @@ import torch.distributed as dist
 import dpcourse as dpc
 from dpcourse.pool.errors import ClusterError, RankDied
 from dpcourse.backends import GPU_BACKEND, BackendError, choose_backend
-from conftest import kill_tree
+from dpcourse.processes import launch_env, run_process, torchrun_command
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -97,17 +96,9 @@ def test_scripts_back_to_back_never_deadlock_in_the_groups_teardown(script, tmp_
 
 def test_the_same_script_under_torchrun_gives_the_same_weights(script, tmp_path):
     out = tmp_path / "weights.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(script), str(out)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        kill_tree(proc)  # torchrun and its workers, all ours
-        proc.communicate()
-        raise
-    assert proc.returncode == 0, output
+    proc = run_process(torchrun_command(2, script, out), timeout=120, env=launch_env(),
+                       stderr=subprocess.STDOUT, text=True)  # past the timeout: ended, with its workers
+    assert proc.returncode == 0, proc.stdout
     assert_same_weights(out, single_process_step())
 
 

@@ -3,7 +3,6 @@ on the global batch, and only rank 0 logs and saves."""
 from __future__ import annotations
 
 import ast
-import os
 import re
 import runpy
 import subprocess
@@ -15,8 +14,7 @@ import torch
 
 import dpcourse.scripts as scripts
 from dpcourse.models import MLP
-from dpcourse.pool.procs import free_port
-from conftest import kill_tree
+from dpcourse.processes import free_port, launch_env, run_process, torchrun_command
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -27,19 +25,13 @@ EPOCH_LINE = re.compile(r"^epoch (\d+): mean loss ([0-9.]+)$")
 
 def _run(args: list[str], timeout: float = 120, check: bool = True) -> tuple[int, str, str]:
     """Run ``args`` in a new session: (exit code, stdout, stderr); ``check``: the code must be 0.
-    On timeout kill the whole session."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    On timeout it is ended with all it started (torchrun and its ranks), and the test fails."""
     try:
-        out, err = proc.communicate(timeout=timeout)
+        proc = run_process(args, timeout, env=launch_env(), text=True)
     except subprocess.TimeoutExpired:
-        kill_tree(proc)  # torchrun and its ranks, all ours
-        proc.communicate()
-        pytest.fail(f"{args} ran past {timeout} s and was killed")
-    assert proc.returncode == 0 or not check, f"{args} exited with {proc.returncode}:\n{err[-3000:]}"
-    return proc.returncode, out, err
+        pytest.fail(f"{args} ran past {timeout} s and was stopped")
+    assert proc.returncode == 0 or not check, f"{args} exited with {proc.returncode}:\n{proc.stderr[-3000:]}"
+    return proc.returncode, proc.stdout, proc.stderr
 
 
 def _torchrun(name: str, nproc: int, out: Path, *argv: str) -> list[tuple[int, str]]:
@@ -51,9 +43,8 @@ def _torchrun(name: str, nproc: int, out: Path, *argv: str) -> list[tuple[int, s
     the script's output.
     """
     logs = out.parent / f"{out.stem}-logs"
-    code, _, err = _run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                         f"--nproc_per_node={nproc}", "--redirects=3", f"--log-dir={logs}",
-                         scripts.path(name), *COMMON, "--out", str(out), *argv], check=False)
+    code, _, err = _run(torchrun_command(nproc, "--redirects=3", f"--log-dir={logs}",
+                                         scripts.path(name), *COMMON, "--out", out, *argv), check=False)
     files = sorted(logs.glob("*/attempt_0/*/stdout.log"))
     assert len(files) == nproc, f"expected one stdout.log per rank under {logs}: {files}"
     stderr = "".join(f.read_text() for f in logs.glob("*/attempt_0/*/stderr.log"))
@@ -191,7 +182,7 @@ os._exit(0)
 def test_gloo_worker_threads_outlive_destroy_process_group_once_a_model_was_wrapped(tmp_path, wrap, left):
     path = tmp_path / "gloo_threads.py"
     path.write_text(GLOO_THREADS)
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    proc = subprocess.run([sys.executable, str(path), wrap], env=env, capture_output=True, text=True, timeout=60)
+    env = launch_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    proc = run_process([sys.executable, path, wrap], timeout=60, env=env, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert int(proc.stdout.split()[-1]) == left, proc.stdout

@@ -20,7 +20,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "dpcourse"
 # import, a class or function it defines). What it lets through besides, each with why:
 OWN_PREFIXES = ("_dpc",)  # dpcourse's own marks on foreign objects (_dpcourse_guard, ...): no library uses the prefix
 OWN_OBJECTS = {  # a name that holds an object of dpcourse's, read by a sibling module -> the file
-    "cluster": "pool/cluster.py", "self.cluster": "pool/cluster.py",  # whose code defines that name
+    "cluster": "pool/cluster.py",  # whose code defines that name
     "wrapper": "scratch/ddp.py",  # the wrapper, through a weak reference
     "dp": "scratch/threaded_dp.py",  # ctx.dp, the ThreadedDataParallel a backward belongs to
     "player": "viz/ring.py",  # a drawing's player (viz/ring.py's and viz/memory.py's keep frames alike)
@@ -147,7 +147,7 @@ def test_the_scan_catches_each_form(source, caught):
     "from . import parallel\nparallel._DTYPES",
     "from .pool.cluster import Cluster\nCluster._helper",
     "import os\nos._exit(0)",
-    "def f(self):\n    return self.cluster._link",
+    "def f(cluster):\n    return cluster._link",
     "def f(t):\n    t._dpc_id = 1\n    return t.__class__, t.__dict__",
     "OPS = {'_allgather_base_': 'all_gather', 'send': 'send'}\nprint('__main__', 'not_private', '_ x')",
 ])

@@ -15,7 +15,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 
-from ..pool.tracker import ordinal
+from ..pool.errors import ordinal
 from .observe import log_lines
 
 

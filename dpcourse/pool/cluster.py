@@ -11,6 +11,9 @@ labelled; an exception on any rank raised here as RankError within a second, eve
 the others wait in a collective (they are killed and restarted, not left to Gloo's
 timeout); a hang reported as RankTimeout with where each rank is stuck; the stop button
 stops the ranks; and no rank outlives the kernel.
+
+Runs in the kernel, as does everything the cluster's calls go through (``call``, ``link``,
+``health``); the launcher and the ranks are other processes (see the package's docstring).
 """
 from __future__ import annotations
 
@@ -23,11 +26,12 @@ import weakref
 
 from ..backends import BackendError, choose_backend
 from . import health, wire
-from .call import Call
+from .call import Call, Outcome
 from .errors import ClusterError, interrupted
 from .link import RankLink
-from .output import RankPrinter
-from .procs import Generation, LauncherProcess, MemoryWatch, check_port, free_ports, readable
+from .printer import RankPrinter
+from ..processes import free_ports
+from .procs import Generation, LauncherProcess, MemoryWatch, check_port, readable
 
 _DEFAULT = object()
 _current: weakref.ref | None = None
@@ -116,7 +120,8 @@ class Cluster:
         self._run_id = 0
         self._gen: Generation | None = None
         self._group_lost: set[int] = set()  # ranks whose process group rank code destroyed
-        self._carried: dict = {}  # traffic of earlier calls still in flight (see call.Call)
+        self._carried: dict = {}  # traffic of earlier calls still in flight (see traffic)
+        self._health = health.Record()  # what cluster.status() says of the calls
         self._memory = MemoryWatch()
         self.closed = False
         self._crash_dir = tempfile.mkdtemp(prefix="dpcourse-")
@@ -132,7 +137,11 @@ class Cluster:
         _current = weakref.ref(self)
 
     # --- public surface ------------------------------------------------------------
-    status = health.status  # cluster.status(): a ClusterStatus snapshot, no call to the ranks
+    def status(self) -> health.ClusterStatus:
+        """A snapshot of the ranks (pid, device, idle/busy/dead) and the calls, without a call
+        to the ranks: it answers while they are busy, after a failure and after ``shutdown``."""
+        return health.status(self._health, self.backend, self.world_size, self._gen,
+                             self._launcher, self.closed)
 
     @property
     def pids(self) -> list[int]:
@@ -168,7 +177,7 @@ class Cluster:
             raise TypeError(f"run() needs a function to call on the ranks, got {type(fn).__name__}")
         self._check_open()
         observers = _observers(observe)
-        return self._call("call", wire.dumps_call(fn, args, kwargs, observers), timeout, observers)
+        return self._call(wire.dumps_call(fn, args, kwargs, observers), timeout, observers)
 
     def run_cell(self, source: str, timeout=_DEFAULT) -> list:
         """Run Python source on every rank in a namespace kept per rank (what %%ranks does).
@@ -181,7 +190,7 @@ class Cluster:
         import linecache
 
         linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-        return self._call("cell", wire.dumps((source, filename)), timeout)
+        return self._call(wire.dumps(wire.RunCell(source, filename)), timeout)
 
     def run_script(self, path, *argv, timeout=_DEFAULT, observe=()) -> list[int]:
         """Run the Python file ``path`` on every rank as ``torchrun`` would; exit codes by rank.
@@ -218,9 +227,9 @@ class Cluster:
         self._check_open()
         observers = _observers(observe)
         port, reinit_port = free_ports(2)
-        call = wire.dumps((path, source, [str(a) for a in argv], port, reinit_port, observers))
+        script = wire.RunScript(path, source, [str(a) for a in argv], port, reinit_port, observers)
         try:
-            return self._call("script", call, timeout, observers)
+            return self._call(wire.dumps(script), timeout, observers)
         finally:
             if self._gen is not None and self._gen.ready and not self.closed:
                 # the ranks stopped their scripts' processes; the launcher stops any that left
@@ -301,15 +310,15 @@ class Cluster:
         deadline = time.monotonic() + self._start_timeout
         while waiting and time.monotonic() < deadline:
             for rank, msg in self._link.poll(gen, waiting, 0.1):
-                if msg is not None and msg[0] == "imported":  # a spawned rank, on its way
+                if isinstance(msg, wire.Imported):  # a spawned rank, on its way
                     continue
                 waiting.discard(rank)
                 if msg is None:
                     errors[rank] = f"rank {rank} {self._link.exit_text(gen, rank)} while starting"
-                elif msg[0] == "init_error":
-                    errors[rank] = f"rank {rank} failed to start:\n{msg[2]}"
-                else:  # ("ready", rank, pid, whether it could volunteer to the OOM killer)
-                    self._link.oom_first = self._link.oom_first and msg[3]
+                elif isinstance(msg, wire.InitError):
+                    errors[rank] = f"rank {rank} failed to start:\n{msg.text}"
+                else:  # wire.Ready
+                    self._link.oom_first = self._link.oom_first and msg.oom_first
         self._printer.flush()
         if waiting or errors:
             self._launcher.kill(gen)
@@ -347,7 +356,7 @@ class Cluster:
         self._group_lost.clear()
         which = "every rank" if len(lost) == self.world_size else "rank " + ", ".join(map(str, lost))
         try:
-            self._call("reinit", wire.dumps(free_ports(1)[0]), 60.0)
+            self._call(wire.dumps(wire.Reinit(free_ports(1)[0])), 60.0)
         except ClusterError as err:
             print(f"dpcourse: rank code destroyed the process group on {which}, and joining a new "
                   f"one failed ({type(err).__name__}); restarting the ranks.", file=sys.stderr)
@@ -358,7 +367,9 @@ class Cluster:
               "re-initialised it (destroy_process_group belongs in scripts: cluster.run_script).",
               file=sys.stderr)
 
-    def _call(self, kind: str, call: bytes, timeout, observers=()):
+    def _call(self, body: bytes, timeout, observers=()):
+        """Run the pickled task ``body`` (a ``wire.RunFunction``, ``RunCell``, ...) on every rank:
+        the results by rank, after each observer has collected what the ranks saw."""
         __tracebackhide__ = True
         timeout = self.default_timeout if timeout is _DEFAULT else timeout
         try:
@@ -368,10 +379,33 @@ class Cluster:
                               "for them.") from None
         self._run_id += 1
         sources = wire.notebook_sources(self._sent_sources)
-        message = wire.dumps((kind, self._run_id, (sources, call)))
+        message = wire.dumps(wire.Task(self._run_id, sources, body))
         self._sent_sources.update(sources)
-        pending = Call(self, timeout)
-        results = health.track(self, pending, message)
+        self._health.start()
+        error = None
+        try:
+            call = Call(self._gen, self._link, timeout, self._carried, self.find_deadlocks)
+            outcome = call.run(message)
+            error = self._apply(outcome)
+        except BaseException as err:  # noqa: BLE001 -- noted for status(), raised again
+            error = err
+        self._health.end(error)
+        if error is not None:
+            raise error
         for i, observer in enumerate(observers):
-            observer.collect([seen[i] for seen in pending.observed])
-        return results
+            observer.collect([seen[i] for seen in outcome.observed])
+        return outcome.results
+
+    def _apply(self, outcome: Outcome) -> BaseException | None:
+        """Take in what a call changed (see ``call.Outcome``); the error to raise, if any."""
+        self._group_lost |= outcome.group_lost
+        self._carried = outcome.carried
+        if outcome.restart:
+            try:
+                self._restart()
+            except KeyboardInterrupt:
+                return interrupted("interrupted while the ranks were restarting; the next call "
+                                   "waits for them.")
+        for note in outcome.notes:
+            print(note, file=sys.stderr)
+        return outcome.error

@@ -1,10 +1,11 @@
 """Certain deadlocks, told in seconds instead of at the timeout.
 
-The kernel knows more than torchrun: which ranks have *returned* from the call (they will
-issue nothing more in it, and the next call cannot start before this one ends), what each
-rank has sent, received and issued since the ranks started (the tracker's traffic, see
-``tracker``), and -- asked every half second while a call runs -- what each running rank
-waits in. From that, ``verdict`` decides, conservatively, whether the call can ever finish:
+Runs in the kernel, which knows more than torchrun: which ranks have *returned* from the
+call (they will issue nothing more in it, and the next call cannot start before this one
+ends), what each rank has sent, received and issued since the ranks started (the tracker's
+traffic, see ``tracker`` and ``traffic``), and -- asked every half second while a call runs --
+what each running rank waits in. From that, ``verdict`` decides, conservatively, whether the
+call can ever finish:
 
 * a rank blocked in ``recv`` from rank P, when P has sent it no message still unreceived and
   P has returned from the call (or is itself blocked in such a wait: a cycle);
@@ -20,7 +21,7 @@ in a row, with no progress between them.
 """
 from __future__ import annotations
 
-from .tracker import ordinal
+from .errors import ordinal
 
 PROBE_S = 0.5  # how often the kernel asks running ranks what they wait in
 
@@ -161,16 +162,3 @@ def _stuck_line(r: int, deps: set[int], waits: dict[int, dict | None], finished:
                 + "; ".join(f"rank {d} has not joined: it {where(d)}" for d in sorted(deps)))
     d = next(iter(deps))
     return f"rank {r} waits in {_what(w)}, which " + ("" if d in finished or d not in waits else "itself ") + where(d)
-
-
-def hint(kinds: set[str]) -> str:
-    """Advice that matches the operation: point-to-point, collective, or both."""
-    parts = []
-    if "p2p" in kinds:
-        parts.append("A send completes when its peer calls the matching recv, and a recv when its peer "
-                     "sends: check that\nevery send has its recv on the other rank (same pair of ranks, "
-                     "same order).")
-    if "collective" in kinds:
-        parts.append("A collective waits until every rank calls the same one; check that all ranks\n"
-                     "reach the same collectives in the same order.")
-    return "\n".join(parts)

@@ -1,7 +1,32 @@
-"""Exceptions the pool raises in the kernel, and the per-rank facts they carry."""
+"""Exceptions the pool raises in the kernel, and the per-rank facts they carry.
+
+Read in every process of the pool (``wire`` names ``SerializationError``; the ranks word
+their collectives with ``ordinal``), so it imports nothing else of the pool's; ``wait_hint``
+is the advice a hang ends with.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+
+def ordinal(n: int) -> str:
+    """1 -> '1st', 2 -> '2nd', 11 -> '11th', 23 -> '23rd' (the 3rd all_reduce of this call)."""
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
+def wait_hint(kinds: set[str]) -> str:
+    """Advice for ranks stuck waiting, that matches the operation: ``kinds`` holds "p2p",
+    "collective" or both."""
+    parts = []
+    if "p2p" in kinds:
+        parts.append("A send completes when its peer calls the matching recv, and a recv when its peer "
+                     "sends: check that\nevery send has its recv on the other rank (same pair of ranks, "
+                     "same order).")
+    if "collective" in kinds:
+        parts.append("A collective waits until every rank calls the same one; check that all ranks\n"
+                     "reach the same collectives in the same order.")
+    return "\n".join(parts)
 
 
 class ClusterError(RuntimeError):
@@ -84,10 +109,8 @@ class RankTimeout(ClusterError):
         title = f"ranks did not finish within {timeout:g} s: {summary}"
         waits = [r.summary for r in stuck if r.summary.startswith("waiting in")]
         if waits:
-            from .deadlock import hint as advice
-
             p2p = (" send of", " recv of", " isend of", " irecv of")
-            hint = advice({"p2p" if any(op in w for op in p2p) else "collective" for w in waits})
+            hint = wait_hint({"p2p" if any(op in w for op in p2p) else "collective" for w in waits})
         else:  # no rank is in a collective: the advice above would mislead
             hint = ("No rank is waiting in a collective: a rank ran longer than the timeout (pass a\n"
                     "larger timeout=...), waited for something else, or was blocked in C++ code\n"

@@ -2,66 +2,49 @@
 
     cluster.status()    # -> ClusterStatus: backend, world size, each rank's pid, device and state
 
-The pool records two facts as calls pass through it (``track``): whether a call is in flight,
-and how the last call that failed ended. Everything else is read from what the kernel
-already knows (the launcher's exit reports, the current generation's PIDs), so asking never
-disturbs the ranks and works while they are busy, after a failure, and after ``shutdown``.
+Runs in the kernel. Each cluster keeps a ``Record`` of two facts as calls pass through it:
+whether a call is in flight, and how the last call that failed ended. Everything else is
+read from what the kernel already knows (the launcher's exit reports, the current
+generation's PIDs), so asking never disturbs the ranks and works while they are busy, after
+a failure, and after ``shutdown``.
 """
 from __future__ import annotations
 
 import time
-import weakref
 from dataclasses import dataclass, field
 
 from ..backends import uses_cuda
 from .errors import ClusterError, RankError, RankTimeout
+from .procs import Generation, LauncherProcess
 
 
 @dataclass
-class _Record:
+class Record:
+    """What one cluster's calls did, as far as a status display needs (see ``status``)."""
+
     busy_since: float | None = None      # time.monotonic() when the call in flight started
     calls: int = 0                       # calls started, ok or not
     last_error: str = ""                 # the first line of the last failed call's error
     failed: dict = field(default_factory=dict)  # rank -> one line, if the last call failed
 
+    def start(self) -> None:
+        """A call goes out."""
+        self.busy_since, self.calls = time.monotonic(), self.calls + 1
 
-_RECORDS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def _record(cluster) -> _Record:
-    return _RECORDS.setdefault(cluster, _Record())
-
-
-def track(cluster, call, message: bytes) -> list:
-    """``call.run(message)``, noting that a call is in flight and how it failed, if it does."""
-    __tracebackhide__ = True
-    record = _record(cluster)
-    record.busy_since, record.calls = time.monotonic(), record.calls + 1
-    try:
-        results = call.run(message)
-        record.failed = {}  # the last call went well: no rank has failed in it
-        return results
-    except BaseException as err:
-        note(cluster, err)
-        raise
-    finally:
-        record.busy_since = None
-
-
-def note(cluster, err: BaseException) -> None:
-    """Remember ``err`` as the cluster's last error (first line; per rank where known)."""
-    record = _record(cluster)
-    text = str(err).strip().splitlines()
-    record.last_error = f"{type(err).__name__}: {text[0] if text else ''}".rstrip(": ")
-    if isinstance(err, RankError):
-        record.failed = {r: f.summary for r, f in err.failures.items()}
-    elif isinstance(err, RankTimeout):
-        record.failed = {r: f.summary for r, f in err.reports.items() if f.state == "running"}
-    elif isinstance(err, KeyboardInterrupt):
-        record.failed = {}
-        record.last_error = "KeyboardInterrupt: the call was interrupted (stop button)"
-    else:
-        record.failed = {}
+    def end(self, err: BaseException | None) -> None:
+        """The call came back, fine (``err`` None: no rank has failed in it) or raising ``err``."""
+        self.busy_since = None
+        self.failed = {}
+        if err is None:
+            return
+        text = str(err).strip().splitlines()
+        self.last_error = f"{type(err).__name__}: {text[0] if text else ''}".rstrip(": ")
+        if isinstance(err, RankError):
+            self.failed = {r: f.summary for r, f in err.failures.items()}
+        elif isinstance(err, RankTimeout):
+            self.failed = {r: f.summary for r, f in err.reports.items() if f.state == "running"}
+        elif isinstance(err, KeyboardInterrupt):
+            self.last_error = "KeyboardInterrupt: the call was interrupted (stop button)"
 
 
 @dataclass
@@ -98,21 +81,22 @@ def rank_device(backend: str, rank: int) -> str:
     return f"cuda:{rank}" if uses_cuda(backend) else "cpu"
 
 
-def status(cluster) -> ClusterStatus:
-    """``cluster``'s state from the kernel's side, without a call to the ranks."""
-    record = _RECORDS.get(cluster) or _Record()
-    gen = None if cluster.closed else cluster._gen
+def status(record: Record, backend: str, world_size: int, gen: Generation | None,
+           launcher: LauncherProcess, closed: bool) -> ClusterStatus:
+    """A cluster's state from the kernel's side, without a call to the ranks: ``record`` of its
+    calls, its current generation ``gen`` (None: none, or ``closed``) and its ``launcher``."""
+    gen = None if closed else gen
     exited = {}
     if gen is not None:
         try:
-            while cluster._launcher.conn.poll(0):  # exit reports the launcher sent meanwhile
-                cluster._launcher.poll_one()
+            while launcher.conn.poll(0):  # exit reports the launcher sent meanwhile
+                launcher.poll_one()
         except (ClusterError, OSError):
             pass
-        exited = cluster._launcher.exited
+        exited = launcher.exited
     busy = record.busy_since is not None
     ranks = []
-    for r in range(cluster.world_size):
+    for r in range(world_size):
         pid = gen.pids[r] if gen is not None else None
         if gen is None:
             state = "closed"
@@ -121,7 +105,7 @@ def status(cluster) -> ClusterStatus:
         else:
             state = "busy" if busy else "idle"
         failed = record.failed.get(r, "")
-        ranks.append(RankStatus(r, pid, rank_device(cluster.backend, r), state, failed))
-    return ClusterStatus(cluster.backend, cluster.world_size, cluster.closed,
+        ranks.append(RankStatus(r, pid, rank_device(backend, r), state, failed))
+    return ClusterStatus(backend, world_size, closed,
                          time.monotonic() - record.busy_since if busy else None, record.calls,
                          record.last_error, ranks)

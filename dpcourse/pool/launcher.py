@@ -24,7 +24,7 @@ import socket
 import sys
 from multiprocessing.connection import Connection, wait
 
-from . import reaper
+from . import reaper, wire
 
 
 def _fork_rank(spec: dict, rank: int, fds: list[int], inherited: list[int], launcher_pid: int) -> int:
@@ -68,7 +68,7 @@ def _boot_code(spare: bool) -> str:
         "import os, sys, threading",
         "if sys.platform.startswith('linux'):",  # die with the launcher from the first line on
         "    import ctypes",
-        "    ctypes.CDLL(None).prctl(1, 9)",  # PR_SET_PDEATHSIG, SIGKILL (see rank.set_death_signal)
+        "    ctypes.CDLL(None).prctl(1, 9)",  # PR_SET_PDEATHSIG, SIGKILL (see processes.set_death_signal)
         "    if os.getppid() != int(sys.argv[4]):",
         "        os._exit(1)",
         f"sys.path.insert(0, {root!r})",
@@ -116,7 +116,7 @@ def _send_spec(fd: int, data: bytes) -> None:
     thread: a spare still importing reads it later."""
     conn = Connection(fd)
     try:
-        conn.send(("spec", data))
+        conn.send(wire.Spec(spec=data))
     except (OSError, ValueError):
         pass  # the spare died already (the kernel hears of it as an exit)
     finally:
@@ -183,13 +183,13 @@ class Launcher:
             if pid not in self.told:
                 self.told.add(pid)
                 try:
-                    self.spares[pid].send(("import", LOW_PRIORITY))
+                    self.spares[pid].send(wire.ImportNow(nice=LOW_PRIORITY))
                 except OSError:
                     pass  # it died: its exit is reported as it is reaped
 
     def _read_spare(self, pid: int) -> None:
         try:
-            self.spares[pid].recv()  # ("imported",): the only thing a spare says
+            self.spares[pid].recv()  # wire.SpareImported: the only thing a spare says
         except (EOFError, OSError):
             pass  # it died (reported as it is reaped)
         self._imported(pid)
@@ -239,53 +239,61 @@ class Launcher:
             return []
 
     def handle(self, msg) -> bool:
-        kind = msg[0]
-        if kind == "spawn":
-            spec = msg[1]
-            _, fds, _, _ = socket.recv_fds(self.sock, 16, 2 * spec["world_size"])
-            if self.start_method == "spawn":  # spares: they wait for "activate" and a spec
-                started = [_spawn_rank(r, fds, os.getpid(), msg[2]) for r in range(spec["world_size"])]
-                pids = [popen.pid for popen, _ in started]
-                self.spawned.update((popen.pid, popen) for popen, _ in started)
-                self.spares.update((popen.pid, conn) for popen, conn in started)
-                self.queue.append(pids)  # later spares wait for it to import
-                if not msg[2]:  # needed now: its spec follows, and it imports at full priority
-                    self.told.update(pids)
-            else:
-                inherited = [self.sock.fileno(), self.conn.fileno()]
-                inherited += [fd for fd in self.children.values() if fd >= 0]
-                pids = [_fork_rank(spec, r, fds, inherited, os.getpid()) for r in range(spec["world_size"])]
-            for fd in fds:
-                os.close(fd)
-            for pid in pids:
-                self.children[pid] = os.pidfd_open(pid) if hasattr(os, "pidfd_open") else -1
-            self.importing.update(pids if self.start_method == "spawn" else ())
-            self.conn.send(("spawned", pids))
-            self._next_import()
-        elif kind == "activate":  # spawned spares: here is your spec (a pickled dict)
-            import threading
-
-            for pid in msg[1]:  # written from threads: a spare still importing reads it later
-                conn = self.spares.get(pid)
-                if conn is None or pid in self.activated:
-                    continue  # gone already (the kernel hears of it as an exit)
-                self.told.add(pid)  # the spec means "import now" too
-                self.activated.add(pid)
-                threading.Thread(target=_send_spec, args=(os.dup(conn.fileno()), msg[2]),
-                                 daemon=True).start()
-                if pid not in self.importing:
-                    self._drop(pid)
-        elif kind == "signal":
-            for pid in msg[2]:
+        """Serve one request of the kernel (see ``wire``: ``Spawn``, ``Activate``, ``Signal``,
+        ``Kill``, ``Sweep``); False for ``Exit``."""
+        request = wire.to_launcher(msg)
+        if isinstance(request, wire.Spawn):
+            self._spawn(request.spec, request.spare)
+        elif isinstance(request, wire.Activate):
+            self._activate(request.pids, request.spec)
+        elif isinstance(request, wire.Signal):
+            for pid in request.pids:
                 if pid in self.children:
-                    os.kill(pid, msg[1])
-        elif kind == "kill":
-            self.conn.send(("killed", *self.kill(msg[1])))
-        elif kind == "sweep":
-            self.conn.send(("swept", self.sweep()))
-        elif kind == "exit":
-            return False
-        return True
+                    os.kill(pid, request.signum)
+        elif isinstance(request, wire.Kill):
+            exits, left = self.kill(request.pids)
+            self.conn.send(wire.Killed(exits=exits, left=left))
+        elif isinstance(request, wire.Sweep):
+            self.conn.send(wire.Swept(left=self.sweep()))
+        return not isinstance(request, wire.Exit)
+
+    def _spawn(self, spec: dict, spare: bool) -> None:
+        """Start a generation of ranks on the sockets that follow the request; answer ``Spawned``."""
+        _, fds, _, _ = socket.recv_fds(self.sock, 16, 2 * spec["world_size"])
+        if self.start_method == "spawn":  # spares: they wait for "activate" and a spec
+            started = [_spawn_rank(r, fds, os.getpid(), spare) for r in range(spec["world_size"])]
+            pids = [popen.pid for popen, _ in started]
+            self.spawned.update((popen.pid, popen) for popen, _ in started)
+            self.spares.update((popen.pid, conn) for popen, conn in started)
+            self.queue.append(pids)  # later spares wait for it to import
+            if not spare:  # needed now: its spec follows, and it imports at full priority
+                self.told.update(pids)
+        else:
+            inherited = [self.sock.fileno(), self.conn.fileno()]
+            inherited += [fd for fd in self.children.values() if fd >= 0]
+            pids = [_fork_rank(spec, r, fds, inherited, os.getpid()) for r in range(spec["world_size"])]
+        for fd in fds:
+            os.close(fd)
+        for pid in pids:
+            self.children[pid] = os.pidfd_open(pid) if hasattr(os, "pidfd_open") else -1
+        self.importing.update(pids if self.start_method == "spawn" else ())
+        self.conn.send(wire.Spawned(pids=pids))
+        self._next_import()
+
+    def _activate(self, pids: list[int], spec: bytes) -> None:
+        """Spawned spares: here is your ``spec`` (a pickled dict)."""
+        import threading
+
+        for pid in pids:  # written from threads: a spare still importing reads it later
+            conn = self.spares.get(pid)
+            if conn is None or pid in self.activated:
+                continue  # gone already (the kernel hears of it as an exit)
+            self.told.add(pid)  # the spec means "import now" too
+            self.activated.add(pid)
+            threading.Thread(target=_send_spec, args=(os.dup(conn.fileno()), spec),
+                             daemon=True).start()
+            if pid not in self.importing:
+                self._drop(pid)
 
     def serve(self) -> None:
         try:
@@ -298,7 +306,7 @@ class Launcher:
                 ready = wait(watched, timeout)
                 exited = self.reap()
                 if exited:
-                    self.conn.send(("exited", exited))
+                    self.conn.send(wire.Exits(exits=exited))
                 for conn in ready:
                     if conn in importing and importing[conn] in self.spares:
                         self._read_spare(importing[conn])
@@ -317,7 +325,7 @@ def main() -> None:
     # through the pool (which decides what to interrupt), never directly.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if arm_death_signal:
-        from .rank import set_death_signal
+        from ..processes import set_death_signal
 
         set_death_signal(kernel_pid)
     sock = socket.socket(fileno=fd)
@@ -328,10 +336,10 @@ def main() -> None:
         import torch.distributed  # noqa: F401
         import torch.distributed.distributed_c10d  # noqa: F401
 
-        from . import rank, wire  # noqa: F401
+        from . import rank  # noqa: F401
 
     launcher = Launcher(sock, start_method)
-    launcher.conn.send(("launcher_ready", os.getpid()))
+    launcher.conn.send(wire.LauncherReady(pid=os.getpid()))
     launcher.serve()
 
 

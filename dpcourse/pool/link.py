@@ -1,17 +1,19 @@
 """The kernel's end of one generation of ranks: their replies, their output, how they ended.
 
-``Cluster`` and ``Call`` read every rank through one ``RankLink``: ``poll`` yields replies
-while showing each rank's output as it arrives; ``pump_control`` drains a rank's control
-channel (output lines, status answers); ``exit_text`` and ``crash_log`` say how a dead rank
-ended.
+Runs in the kernel. ``Cluster`` and ``Call`` read every rank through one ``RankLink``: ``poll``
+yields replies while showing each rank's output as it arrives; ``pump_control`` drains a
+rank's control channel (output lines, status answers); ``exit_text`` and ``crash_log`` say
+how a dead rank ended.
 """
 from __future__ import annotations
 
 import os
 import time
 
-from .output import RankPrinter
-from .procs import Generation, LauncherProcess, MemoryWatch, describe_exit, readable
+from . import wire
+from .printer import RankPrinter
+from ..processes import describe_exit
+from .procs import Generation, LauncherProcess, MemoryWatch, readable
 
 
 class RankLink:
@@ -20,10 +22,11 @@ class RankLink:
     def __init__(self, launcher: LauncherProcess, printer: RankPrinter, memory: MemoryWatch, crash_dir: str):
         self.launcher, self.printer, self.memory, self.crash_dir = launcher, printer, memory, crash_dir
         self.oom_first = True  # the ranks volunteer to the OOM killer (False: the platform cannot)
-        self.waits: dict[int, dict] = {}  # rank -> its answer to the last ("wait",) probe
+        self.waits: dict[int, wire.Waiting] = {}  # rank -> its answer to the last AskWait probe
 
     def poll(self, gen: Generation, pending: set[int], timeout: float):
-        """Show rank output; yield (rank, message or None if the rank died) from pending ranks."""
+        """Show rank output; yield (rank, message or None if the rank died) from pending ranks:
+        ``wire.Reply`` during a call, ``Imported``/``Ready``/``InitError`` while starting."""
         tasks = {gen.task[r]: r for r in pending}
         controls = {c: r for r, c in enumerate(gen.control)}
         ready = readable(list(tasks) + list(controls) + [self.launcher.conn], timeout)
@@ -42,18 +45,18 @@ class RankLink:
                     yield rank, None
         self.printer.tick()
 
-    def pump_control(self, gen: Generation, rank: int):
+    def pump_control(self, gen: Generation, rank: int) -> wire.Status | None:
         """Show what rank ``rank`` printed; return its status answer if one came, else None."""
         conn, status = gen.control[rank], None
         try:
             while conn.poll(0):
                 msg = conn.recv()
-                if msg[0] == "out":
-                    self.printer.feed(rank, msg[1], msg[2])
-                elif msg[0] == "status":
-                    status = msg[1]
-                elif msg[0] == "wait":  # an answer to the deadlock check's probe
-                    self.waits[rank] = msg[1]
+                if isinstance(msg, wire.Output):
+                    self.printer.feed(rank, msg.stream, msg.text)
+                elif isinstance(msg, wire.Status):
+                    status = msg
+                elif isinstance(msg, wire.Waiting):  # an answer to the deadlock check's probe
+                    self.waits[rank] = msg
         except (EOFError, OSError):
             pass
         return status

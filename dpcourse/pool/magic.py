@@ -1,4 +1,4 @@
-"""The %%ranks cell magic: run a notebook cell on every rank of a Cluster.
+"""The %%ranks cell magic: run a notebook cell on every rank of a Cluster (runs in the kernel).
 
     %load_ext dpcourse
     cluster = dpc.Cluster(world_size=4)

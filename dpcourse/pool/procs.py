@@ -17,24 +17,11 @@ import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 
+# free_port is re-exported: bench/pool.py, test_browser and test_repository import it from here.
+from ..processes import PACKAGE_ROOT, describe_exit, free_port  # noqa: F401
+from . import wire
 from .errors import ClusterError
 from .reaper import describe
-
-_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def describe_exit(status: int | None) -> str:
-    """'killed by signal 9 (SIGKILL)' or 'exited with code 3' from a wait status."""
-    if status is None:
-        return "ended (exit status unknown)"
-    if os.WIFSIGNALED(status):
-        sig = os.WTERMSIG(status)
-        try:
-            name = signal.Signals(sig).name
-        except ValueError:
-            name = "unknown"
-        return f"killed by signal {sig} ({name})"
-    return f"exited with code {os.WEXITSTATUS(status)}"
 
 
 @dataclass
@@ -55,7 +42,7 @@ class Generation:
         for rank, conn in enumerate(self.task):
             try:
                 while rank not in self.imported and conn.poll(0):
-                    if conn.recv()[0] == "imported":
+                    if isinstance(conn.recv(), wire.Imported):
                         self.imported.add(rank)
             except (EOFError, OSError):
                 return False
@@ -79,7 +66,7 @@ class LauncherProcess:
         self.conn = Connection(os.dup(self.sock.fileno()))
         self._stderr = tempfile.TemporaryFile()
         arm = "1" if threading.current_thread() is threading.main_thread() else "0"
-        code = (f"import sys; sys.path.insert(0, {_PACKAGE_ROOT!r}); "
+        code = (f"import sys; sys.path.insert(0, {PACKAGE_ROOT!r}); "
                 "from dpcourse.pool.launcher import main; main()")
         self.popen = subprocess.Popen(
             [sys.executable, "-c", code, str(child.fileno()), str(os.getpid()), arm, start_method],
@@ -93,7 +80,7 @@ class LauncherProcess:
         except ClusterError:
             self.close()
             raise
-        if msg[0] != "launcher_ready":
+        if not isinstance(msg, wire.LauncherReady):
             self.close()
             raise ClusterError(f"unexpected reply from the launcher: {msg!r}")
 
@@ -131,8 +118,8 @@ class LauncherProcess:
             raise ClusterError(
                 f"the launcher process ended ({describe_exit(None) if code is None else code}); "
                 f"create a new Cluster. Its last words:\n{self.stderr_text()}") from err
-        if msg[0] == "exited":
-            self._note_exits(msg[1])
+        if isinstance(msg, wire.Exits):
+            self._note_exits(msg.exits)
             return None
         return msg
 
@@ -142,15 +129,15 @@ class LauncherProcess:
 
     def spawn(self, spec: dict, number: int, spare: bool = False) -> Generation:
         """Start a generation of ranks. Forked ones start at once; spawned ones wait for
-        ``activate`` to send them their spec. ``spare``: a spawned generation kept for a later
+        ``wire.Activate`` to send them their spec. ``spare``: a spawned generation kept for a later
         restart -- it imports torch at low priority, after every older generation has."""
         n = spec["world_size"]
         pairs = [socket.socketpair() for _ in range(2 * n)]
-        self.send(("spawn", spec, spare))
+        self.send(wire.Spawn(spec=spec, spare=spare))
         socket.send_fds(self.sock, [b"F"], [p[1].fileno() for p in pairs])
         for _, theirs in pairs:
             theirs.close()
-        kind, pids = self.recv(30)
+        pids = self.recv(30).pids  # wire.Spawned
         mine = [Connection(p[0].detach()) for p in pairs]
         return Generation(number, pids, mine[0::2], mine[1::2])
 
@@ -158,7 +145,7 @@ class LauncherProcess:
         """Hand spawned spares their spec: they join the process group as generation ``number``."""
         import pickle
 
-        self.send(("activate", spare.pids, pickle.dumps(spec)))
+        self.send(wire.Activate(pids=spare.pids, spec=pickle.dumps(spec)))
         spare.number = number
         return spare
 
@@ -169,14 +156,15 @@ class LauncherProcess:
         return not any(pid in self.exited for pid in gen.pids)
 
     def signal(self, pids: list[int], signum: int) -> None:
-        self.send(("signal", signum, pids))
+        self.send(wire.Signal(signum=signum, pids=pids))
 
     def kill(self, gen: Generation) -> None:
         """SIGKILL and reap a generation's ranks (the launcher is their parent), and stop what
         they started that still runs (see ``reaper``); say so if they had left anything."""
-        self.send(("kill", gen.pids))
-        _, exits, left = self.recv(30)
-        self._note_exits(exits)
+        self.send(wire.Kill(pids=gen.pids))
+        killed = self.recv(30)  # wire.Killed
+        self._note_exits(killed.exits)
+        left = killed.left
         gen.close()
         if left:
             print(f"dpcourse: {describe(_whose(left, gen, 'the ranks'), [(p, n) for p, _, n in left])} "
@@ -185,15 +173,15 @@ class LauncherProcess:
     def sweep(self, gen: Generation, what: str = "script") -> None:
         """After a script: stop what its ranks started and left behind in a session of its own
         (the ranks stop the rest themselves); say so."""
-        self.send(("sweep",))
-        _, left = self.recv(30)
+        self.send(wire.Sweep())
+        left = self.recv(30).left  # wire.Swept
         if left:
             print(f"dpcourse: {describe(_whose(left, gen, 'the ' + what), [(p, n) for p, _, n in left])}.",
                   file=sys.stderr)
 
     def close(self, timeout: float = 5.0) -> None:
         try:
-            self.conn.send(("exit",))
+            self.conn.send(wire.Exit())
         except OSError:
             pass
         try:
@@ -212,23 +200,6 @@ def _whose(left: list, gen: Generation, default: str) -> str:
     if len(ranks) == 1 and None not in ranks:
         return f"rank {ranks.pop()}" + ("'s script" if default.endswith("script") else "")
     return default
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing is bound to right now."""
-    return free_ports(1)[0]
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` different TCP ports on 127.0.0.1 that nothing is bound to right now."""
-    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
-    try:
-        for s in socks:  # all bound at once, so the ports differ
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 class MemoryWatch:
@@ -269,6 +240,7 @@ def _gib(nbytes: int) -> str:
 
 
 def check_port(port: int) -> None:
+    """Raise ``ClusterError`` if ``port`` on 127.0.0.1 is taken (a ``master_port`` the user chose)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         try:
             s.bind(("127.0.0.1", port))
@@ -279,4 +251,5 @@ def check_port(port: int) -> None:
 
 
 def readable(conns, timeout: float) -> list:
+    """The connections of ``conns`` with something to read within ``timeout`` seconds."""
     return wait(conns, timeout) if conns else []

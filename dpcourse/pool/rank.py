@@ -20,11 +20,12 @@ import traceback
 from multiprocessing.connection import Connection
 
 from ..backends import rank_device
+from ..processes import set_death_signal
 from . import wire
+from .forwarder import OutputForwarder
 from .group import PoolGroup, torchrun_env
 from .isolation import script_imports
 from .reaper import own_group, stop_descendants
-from .output import OutputForwarder
 from .tracker import TRACKER
 
 _exit = os._exit  # the process's own exit: a script's os._exit is caught while it runs (_exec_script)
@@ -32,31 +33,6 @@ _exit = os._exit  # the process's own exit: a script's os._exit is caught while 
 # Out-of-memory killer preference, -1000 (never) .. 1000 (first). A rank that allocates too
 # much should be the one Linux kills, not the learner's kernel or JupyterLab.
 OOM_SCORE_ADJ = 1000
-
-
-def set_death_signal(expected_parent: int) -> None:
-    """Die with the parent ``expected_parent``: Linux SIGKILLs this process when its parent
-    dies; elsewhere a watchdog thread checks the parent every half second."""
-    armed = False
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        PR_SET_PDEATHSIG = 1
-        armed = libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL) == 0
-    if os.getppid() != expected_parent:  # the parent died before the signal was armed
-        _exit(1)
-    if not armed:
-        threading.Thread(target=_watch_parent, args=(expected_parent,), name="dpcourse-parent",
-                         daemon=True).start()
-
-
-def _watch_parent(parent: int) -> None:
-    import time
-
-    while os.getppid() == parent:
-        time.sleep(0.5)
-    _exit(1)
 
 
 class Rank:
@@ -119,25 +95,24 @@ class Rank:
                 msg = self.control.recv()
             except (EOFError, OSError):
                 _exit(0)  # the kernel died: never outlive it
-            if msg[0] == "status":
-                self.send_control(("status", self.status()))
-            elif msg[0] == "wait":
-                self.send_control(("wait", self.wait_state()))
+            if isinstance(msg, wire.AskStatus):
+                self.send_control(self.status())
+            elif isinstance(msg, wire.AskWait):
+                self.send_control(self.wait_state())
 
-    def status(self) -> dict:
+    def status(self) -> wire.Status:
         frame = sys._current_frames().get(self.main_ident)
         stack = "".join(traceback.format_stack(frame)) if frame is not None else ""
-        return {"running": self.running, "collective": self.tracker.describe(),
-                "stack": _user_stack(stack)}
+        return wire.Status(self.running, self.tracker.describe(), _user_stack(stack))
 
-    def wait_state(self) -> dict:
+    def wait_state(self) -> wire.Waiting:
         """What the kernel's deadlock check needs (see ``deadlock``): the communication this rank
         is blocked in (None when it is not blocked in one: computing, sleeping, ...) and the
         call's traffic so far."""
         wait, traffic = self.tracker.waiting()
         if wait is not None and not _blocked(sys._current_frames().get(self.main_ident)):
             wait = None
-        return {"running": self.running, "wait": wait, "traffic": traffic}
+        return wire.Waiting(self.running, wait, traffic)
 
     # --- the loop --------------------------------------------------------------------
     def serve(self) -> None:
@@ -146,40 +121,41 @@ class Rank:
                 data = self.task.recv_bytes()
             except (EOFError, OSError):
                 _exit(0)
-            kind, run_id, payload = wire.loads(data)
-            reply = self.execute(kind, run_id, payload)
+            task = wire.loads(data)
+            reply = self.execute(task)
             self.output.drain()
             try:
                 out = wire.dumps(reply)
             except Exception as err:
-                out = wire.dumps(("raised", run_id,
-                                  f"could not send the result back: {type(err).__name__}: {err}",
-                                  f"the value returned on rank {self.rank} cannot be pickled "
-                                  f"({type(reply[2]).__name__}); return plain Python objects "
-                                  "or tensors instead.\n", None, reply[-1]))
+                value = getattr(reply, "value", getattr(reply, "code", None))
+                out = wire.dumps(wire.Raised(
+                    task.run_id, reply.after,
+                    f"could not send the result back: {type(err).__name__}: {err}",
+                    f"the value returned on rank {self.rank} cannot be pickled "
+                    f"({type(value).__name__}); return plain Python objects or tensors instead.\n",
+                    None))
             self.task.send_bytes(out)
 
-    def execute(self, kind: str, run_id: int, payload: bytes):
-        """Run one call; the reply ends with whether the pool's process group is still intact
-        and the call's traffic (what the kernel checks for messages still in flight)."""
+    def execute(self, task: wire.Task) -> wire.Reply:
+        """Run one task; the reply ends with what the call left behind (``wire.After``: whether
+        the pool's process group is intact, the call's traffic, what a script left running)."""
+        run_id = task.run_id
         try:
-            sources, call = payload
-            linecache.cache.update(sources)
-            call = wire.loads(call)
+            linecache.cache.update(task.sources)
+            body = wire.loads(task.body)
             self.tracker.reset()
             self.running = True
             try:
                 with self.group.guarded(), self.tracker.calls():  # undone after the call
-                    value = self._dispatch(kind, call)
+                    value, observed = self._dispatch(body)
             finally:
                 self.running = False
                 self.group.release()
-            value, observed = value if kind in ("call", "script") else (value, [])
-            if kind == "script" and value != 0:
-                return ("exited", run_id, value, observed, self._after())
-            return ("ok", run_id, value, observed, self._after())
+            if isinstance(body, wire.RunScript) and value != 0:
+                return wire.Exited(run_id, self._after(), value, observed)
+            return wire.Finished(run_id, self._after(), value, observed)
         except KeyboardInterrupt:
-            return ("interrupted", run_id, self._after())
+            return wire.Interrupted(run_id, self._after())
         except BaseException as exc:  # noqa: BLE001 -- everything goes back to the kernel
             tb = _learner_traceback(exc)
             summary = traceback.format_exception_only(type(exc), exc)[-1].strip()
@@ -187,30 +163,30 @@ class Rank:
                 wire.dumps(exc)
             except Exception:
                 exc = None
-            return ("raised", run_id, summary, tb, exc, self._after())
+            return wire.Raised(run_id, self._after(), summary, tb, exc)
 
-    def _after(self) -> tuple:
+    def _after(self) -> wire.After:
         try:
             traffic = self.tracker.traffic()
         except Exception:  # noqa: BLE001 -- a torch without get_process_group_ranks: unchecked
             traffic = None
         left, self.left = self.left, []
-        return self.group.intact(), traffic, left
+        return wire.After(self.group.intact(), traffic, left)
 
-    def _dispatch(self, kind: str, call):
-        if kind == "cell":
-            return self._run_cell(*call)
-        if kind == "script":
-            return self._run_script(*call)
-        if kind == "reinit":
+    def _dispatch(self, body) -> tuple:
+        """Run a task's body; (its value, what its observers saw: ``[]`` without observers)."""
+        if isinstance(body, wire.RunCell):
+            return self._run_cell(body.source, body.filename), []
+        if isinstance(body, wire.RunScript):
+            return self._run_script(body)
+        if isinstance(body, wire.Reinit):
             import torch.distributed as dist
 
             if dist.is_initialized():  # only some ranks lost it: start from a clean slate
                 dist.destroy_process_group()
-            return self.group.init(call)
-        fn, args, kwargs, observers = call
-        with observing(observers) as observed:
-            value = fn(*args, **kwargs)
+            return self.group.init(body.port), []
+        with observing(body.observers) as observed:
+            value = body.fn(*body.args, **body.kwargs)
         return value, observed
 
     def _run_cell(self, source: str, filename: str):
@@ -226,12 +202,12 @@ class Rank:
             return eval(compile(last, filename, "eval"), self.namespace)
         return None
 
-    def _run_script(self, path: str, source: str, argv: list, port: int, reinit_port: int,
-                    observers: list) -> tuple[int, list]:
-        """Run ``source`` as the ``__main__`` module ``path``, as torchrun would; its exit code
-        and what the observers saw."""
-        with observing(observers) as observed:
-            code = self._exec_script(path, source, argv, port, reinit_port)
+    def _run_script(self, script: wire.RunScript) -> tuple[int, list]:
+        """Run ``script.source`` as the ``__main__`` module ``script.path``, as torchrun would;
+        its exit code and what the observers saw."""
+        with observing(script.observers) as observed:
+            code = self._exec_script(script.path, script.source, script.argv, script.port,
+                                     script.reinit_port)
         return code, observed
 
     def _exec_script(self, path: str, source: str, argv: list, port: int, reinit_port: int) -> int:
@@ -387,30 +363,30 @@ def _user_stack(stack: str) -> str:
 
 def spawned_main() -> None:
     """Entry point of a spawned rank (``start_method="spawn"``). Its stdin is a socket to the
-    launcher, which sends ("import", nice) -- a spare's turn to import torch, in a thread of that
-    nice value so that the cluster's calls come first -- or ("spec", bytes) when the rank is
-    needed (it then imports at once, if it has not yet). Either way it says ("imported",) when
-    torch is in."""
+    launcher, which sends ``wire.ImportNow`` -- a spare's turn to import torch, in a thread of its
+    nice value so that the cluster's calls come first -- or ``wire.Spec`` when the rank is needed
+    (it then imports at once, if it has not yet). Either way it says ``Imported`` to the kernel
+    and ``SpareImported`` to the launcher when torch is in."""
     rank, task_fd, control_fd, launcher_pid = map(int, sys.argv[1:5])
     set_death_signal(launcher_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # until it runs calls (setup installs its own)
     launcher = Connection(0)
     task = Connection(task_fd)
     msg = _from_launcher(launcher)
-    _import_torch(msg[1] if msg[0] == "import" else None)  # an error here shows on stderr
+    _import_torch(msg.nice if isinstance(msg, wire.ImportNow) else None)  # errors show on stderr
     try:
-        task.send(("imported", rank))  # for the kernel: a warm spare, a restart takes no import
-        launcher.send(("imported",))   # for the launcher: the next spare may start importing
+        task.send(wire.Imported(rank=rank))  # for the kernel: a warm spare, a restart takes no import
+        launcher.send(wire.SpareImported())  # for the launcher: the next spare may start importing
     except OSError:
         _exit(0)  # the kernel or the launcher is gone
-    if msg[0] == "import":
+    if isinstance(msg, wire.ImportNow):
         msg = _from_launcher(launcher)
     launcher.close()
     null = os.open(os.devnull, os.O_RDONLY)  # stdin reads as empty, as for a forked rank
     if null != 0:
         os.dup2(null, 0)
         os.close(null)
-    main(wire.loads(msg[1]), rank, task, control_fd, launcher_pid)
+    main(wire.loads(msg.spec), rank, task, control_fd, launcher_pid)
 
 
 def _from_launcher(launcher: Connection):
@@ -475,9 +451,9 @@ def main(spec: dict, rank: int, task, control_fd: int, launcher_pid: int) -> Non
                 worker.output.drain(0.5)
             except Exception:
                 pass
-            task.send(("init_error", rank, text))
+            task.send(wire.InitError(rank, text))
             _exit(3)
-        task.send(("ready", rank, os.getpid(), worker.oom_first))
+        task.send(wire.Ready(rank, os.getpid(), worker.oom_first))
         worker.serve()
     except BaseException:  # noqa: BLE001
         traceback.print_exc()

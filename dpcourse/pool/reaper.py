@@ -17,121 +17,11 @@ outlives the script, so the pool ends them itself:
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
-import time
-from dataclasses import dataclass
 
-GRACE_S = 1.0  # after SIGTERM, how long a process may take to end before SIGKILL
-
-
-@dataclass(frozen=True)
-class Proc:
-    pid: int
-    ppid: int
-    pgid: int
-    name: str
-    zombie: bool = False
-
-
-def process_table() -> dict[int, Proc]:
-    """Every process this user can see: /proc on Linux, ``ps`` elsewhere."""
-    table: dict[int, Proc] = {}
-    if os.path.isdir("/proc/self/task"):
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry}/stat", "rb") as f:
-                    data = f.read().decode(errors="replace")
-            except OSError:
-                continue  # gone meanwhile
-            name = data[data.find("(") + 1: data.rfind(")")]
-            fields = data[data.rfind(")") + 2:].split()
-            table[int(entry)] = Proc(int(entry), int(fields[1]), int(fields[2]), name, fields[0] in "ZX")
-        return table
-    try:
-        out = subprocess.run(["ps", "-A", "-o", "pid=,ppid=,pgid=,stat=,comm="], capture_output=True,
-                             text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return table
-    for line in out.splitlines():
-        parts = line.split(None, 4)
-        if len(parts) == 5 and parts[0].isdigit():
-            pid, ppid, pgid = map(int, parts[:3])
-            table[pid] = Proc(pid, ppid, pgid, os.path.basename(parts[4]), parts[3].startswith("Z"))
-    return table
-
-
-def descendants(root: int, table: dict[int, Proc]) -> list[int]:
-    """The running processes below ``root`` (children, their children, ...) in ``table``."""
-    children: dict[int, list[int]] = {}
-    for p in table.values():
-        children.setdefault(p.ppid, []).append(p.pid)
-    found, todo = [], list(children.get(root, ()))
-    while todo:
-        pid = todo.pop()
-        found.append(pid)
-        todo += children.get(pid, ())
-    return [pid for pid in found if not table[pid].zombie]
-
-
-def _children_files() -> bool:
-    """Linux lists each task's children in /proc (CONFIG_PROC_CHILDREN): no scan of /proc."""
-    return os.path.exists(f"/proc/self/task/{os.getpid()}/children")
-
-
-def _stat(pid: int) -> Proc | None:
-    """One process's entry from /proc (None: gone)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read().decode(errors="replace")
-    except OSError:
-        return None
-    fields = data[data.rfind(")") + 2:].split()
-    return Proc(pid, int(fields[1]), int(fields[2]), data[data.find("(") + 1: data.rfind(")")], fields[0] in "ZX")
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return found
-    for task in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                found += [int(c) for c in f.read().split()]
-        except OSError:
-            pass  # the thread ended meanwhile
-    return found
-
-
-def tree(root: int) -> dict[int, Proc]:
-    """The running processes below ``root``, by PID: read from each one's children in /proc
-    where Linux lists them (a few files), else from the whole process table."""
-    if not _children_files():
-        table = process_table()
-        return {pid: table[pid] for pid in descendants(root, table)}
-    found: dict[int, Proc] = {}
-    todo = _children(root)
-    while todo:
-        pid = todo.pop()
-        proc = _stat(pid)
-        if proc is None or pid in found:
-            continue
-        todo += _children(pid)
-        if not proc.zombie:
-            found[pid] = proc
-    return found
-
-
-def _running(pids: list[int]) -> list[int]:
-    if _children_files():
-        return [pid for pid in pids if (p := _stat(pid)) is not None and not p.zombie]
-    table = process_table()
-    return [pid for pid in pids if pid in table and not table[pid].zombie]
+# The process table, trees and stop() live in the package's process toolbox; the launcher
+# reads tree, process, stop and GRACE_S through this module.
+from ..processes import GRACE_S, children, process, process_table, stop, tree  # noqa: F401
 
 
 def set_subreaper() -> bool:
@@ -155,34 +45,6 @@ def own_group() -> None:
         pass  # already a group leader, or not permitted: the subreaper still finds what it starts
 
 
-def _reap(pid: int) -> None:
-    try:
-        os.waitpid(pid, os.WNOHANG)
-    except (ChildProcessError, OSError):
-        pass
-
-
-def stop(pids: list[int], grace_s: float = GRACE_S) -> None:
-    """SIGTERM ``pids``, SIGKILL those still running after ``grace_s``; reap our own children."""
-    everyone = list(pids)
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except OSError:
-                pass
-        deadline = time.monotonic() + grace_s
-        while pids:
-            pids = _running(pids)
-            if not pids or time.monotonic() > deadline:
-                break
-            time.sleep(0.02)
-        if not pids:
-            break
-    for pid in everyone:
-        _reap(pid)  # our own child: reaped; anyone else's: ChildProcessError, ignored
-
-
 def stop_descendants() -> list[tuple[int, str]]:
     """Stop what this process started that still runs: its descendants, and where no subreaper
     adopts what they leave (not Linux) its process group's other members. Returns (pid, name)
@@ -204,13 +66,7 @@ def stop_descendants() -> list[tuple[int, str]]:
 def orphans(known: set[int]) -> list[tuple[int, int, str]]:
     """The subreaper's adopted processes: its children that are not in ``known`` (the ranks and
     spares), and everything below them; (pid, process group, name) of each."""
-    me = os.getpid()
-    if _children_files():
-        adopted = {pid: p for pid in _children(me) if pid not in known
-                   and (p := _stat(pid)) is not None and not p.zombie}
-    else:
-        table = process_table()
-        adopted = {p.pid: p for p in table.values() if p.ppid == me and p.pid not in known and not p.zombie}
+    adopted = {pid: p for pid, p in children(os.getpid()).items() if pid not in known}
     found = dict(adopted)
     for pid in adopted:
         found.update(tree(pid))
@@ -225,9 +81,3 @@ def describe(who: str, procs: list[tuple[int, str]]) -> str:
     return (f"{who} left {n} process{'es' if plural else ''} running "
             f"(pid{'s' if plural else ''} {listed}); {'they were' if plural else 'it was'} stopped")
 
-
-def process(pid: int) -> Proc | None:
-    """One process's entry (None: gone)."""
-    if _children_files():
-        return _stat(pid)
-    return process_table().get(pid)

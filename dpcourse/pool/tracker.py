@@ -29,10 +29,11 @@ future on Gloo, is asked). Counts start again at every call.
 
 Every call also keeps its *traffic*: the messages each rank sent and received, by peer, and
 the collectives it issued, by process group (``traffic()``). The kernel adds them up over
-the ranks (and over the calls since the ranks started): a message no rank received, a
-receive nothing matched, or a group whose members issued different numbers of collectives is
-still in flight and would be matched by the next call's code. After a failed call the pool
-then starts fresh ranks instead of keeping them; after a call that returned it says so.
+the ranks and over the calls since the ranks started (``traffic``, in the kernel's process):
+a message no rank received, a receive nothing matched, or a group whose members issued
+different numbers of collectives is still in flight and would be matched by the next call's
+code. After a failed call the pool then starts fresh ranks instead of keeping them; after a
+call that returned it says so.
 
 Whoever wants to see every collective a rank issues -- the course's observers -- listens
 (``TRACKER.listen(fn)``): ``fn(Issued(...))`` is called on the issuing thread right after
@@ -48,6 +49,7 @@ import warnings
 from dataclasses import dataclass
 
 from ..torch_private import below_autograd, boxed_type_name, source_rank
+from .errors import ordinal
 
 # c10d operator -> the collective's name in torch.distributed (one table for the package: the
 # observers read the name from it, as ``Issued.collective``).
@@ -83,12 +85,6 @@ class Issued:
     args: tuple
     start: float
     work: object
-
-
-def ordinal(n: int) -> str:
-    """1 -> '1st', 2 -> '2nd', 11 -> '11th', 23 -> '23rd'."""
-    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
-    return f"{n}{suffix}"
 
 
 class CollectiveTracker:
@@ -380,66 +376,6 @@ def process_group(arg):
     if "ProcessGroup" in boxed_type_name(arg):
         return dist.ProcessGroup.unbox(arg)
     return None
-
-
-def in_flight(traffic: dict[int, dict]) -> list[str]:
-    """What the ranks' traffic (rank -> ``CollectiveTracker.traffic()``) leaves in flight, one
-    line per problem: a message no rank received, a receive nothing sent to, a group whose
-    members issued different numbers of collectives. Empty: nothing can reach the next call."""
-    sent: dict[tuple, int] = {}      # (group ranks, src, dst) -> messages
-    received: dict[tuple, int] = {}  # (group ranks, src, dst)
-    any_source: dict[tuple, int] = {}  # (group ranks, dst) -> receives from any rank
-    issued: dict[tuple, dict[int, int]] = {}
-    for rank, t in traffic.items():
-        for (ranks, dst), n in t["sent"].items():
-            sent[(ranks, rank, dst)] = sent.get((ranks, rank, dst), 0) + n
-        for (ranks, src), n in t["received"].items():
-            if src is None:
-                any_source[(ranks, rank)] = any_source.get((ranks, rank), 0) + n
-            else:
-                received[(ranks, src, rank)] = received.get((ranks, src, rank), 0) + n
-        for ranks, n in t["collectives"].items():
-            issued.setdefault(ranks, {})[rank] = n
-    problems = []
-    for key in sorted(set(sent) | set(received), key=str):
-        ranks, src, dst = key
-        extra = sent.get(key, 0) - received.get(key, 0)
-        if extra > 0:
-            matched = min(extra, any_source.get((ranks, dst), 0))
-            any_source[(ranks, dst)] = any_source.get((ranks, dst), 0) - matched
-            extra -= matched
-        if extra > 0:
-            problems.append(f"rank {src} sent {_messages(extra)} to rank {dst} that rank {dst} did not receive")
-        elif extra < 0:
-            problems.append(f"rank {dst} waits for {_messages(-extra)} from rank {src} that rank {src} did not send")
-    for (ranks, dst), n in sorted(any_source.items(), key=str):
-        if n > 0:
-            problems.append(f"rank {dst} waits for {_messages(n)} from any rank that no rank sent")
-    for ranks, by_rank in sorted(issued.items(), key=str):
-        counts = {r: by_rank.get(r, 0) for r in ranks if r in traffic}
-        if len(set(counts.values())) > 1:
-            where = "the default group" if len(ranks) == len(traffic) else f"the group of ranks {list(ranks)}"
-            said = ", ".join(f"rank {r} {n}" for r, n in sorted(counts.items()))
-            problems.append(f"on {where} the ranks issued different numbers of collectives ({said})")
-    return problems
-
-
-def add_traffic(a: dict[int, dict], b: dict[int, dict]) -> dict[int, dict]:
-    """Two calls' traffic (rank -> ``traffic()``) added up, so a message sent in one call and
-    received in the next balances out."""
-    out = {}
-    for rank in set(a) | set(b):
-        out[rank] = {}
-        for kind in ("sent", "received", "collectives"):
-            table = dict(a.get(rank, {}).get(kind, {}))
-            for key, n in b.get(rank, {}).get(kind, {}).items():
-                table[key] = table.get(key, 0) + n
-            out[rank][kind] = table
-    return out
-
-
-def _messages(n: int) -> str:
-    return "1 message" if n == 1 else f"{n} messages"
 
 
 _inside = threading.local()  # .p2p: a tracked point-to-point call is running on this thread

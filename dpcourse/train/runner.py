@@ -1,10 +1,11 @@
 """One training loop for every wrapper, run on each rank of an initialised process group.
 
 The same function runs under ``torchrun`` (``python -m dpcourse.train``) and on the
-notebook's ranks (``cluster.run(dpc.train.train, cfg)``); it needs no cluster. What it takes
-from the pool's room runs in any process: ``main`` arms the pool's death signal
-(``pool.rank.set_death_signal``) so a torchrun worker dies with its agent, and ``--measure``'s
-observers listen to the pool's collective tracker (``pool.tracker``).
+notebook's ranks (``cluster.run(dpc.train.train, cfg)``); it needs no cluster. ``main`` arms
+a death signal (``dpcourse.processes``) so a torchrun worker dies with its agent, and leaves
+the process group the one way the package does (``processes.leave_process_group``);
+``--measure``'s observers listen to the collective tracker (``pool.tracker``), which runs in
+any process.
 
 What a correct DDP/FSDP script does, it does visibly: a ``DistributedSampler`` with
 ``set_epoch``, identical initial weights, logging and saving on rank 0 only, checkpoints
@@ -13,7 +14,6 @@ through DCP, and the loss averaged over ranks (the loss of the global batch).
 from __future__ import annotations
 
 import contextlib
-import gc
 import sys
 
 import torch
@@ -218,7 +218,7 @@ def main(argv=None, parent: int | None = None) -> int:
     import json
     import os
 
-    from ..pool.rank import set_death_signal
+    from ..processes import leave_process_group, set_death_signal
     from .config import ConfigError, parse_args
     from .join import JoinError, join
 
@@ -258,12 +258,5 @@ def main(argv=None, parent: int | None = None) -> int:
             with open(cfg.metrics_path, "w") as f:
                 json.dump({"config": vars(cfg), "ranks": everyone}, f, indent=1)
     finally:
-        # Every rank must reach this point before the group goes away: without the barrier,
-        # agents on different "nodes" tear down while peers still talk (seen as SIGABRT).
-        dist.barrier()
-        # The model and optimizer sit in reference cycles (module hooks) that hold the process
-        # group: free them while every rank is still here. Gloo's worker threads can still
-        # outlive the group (see __main__.py, which leaves without Python's shutdown).
-        gc.collect()
-        dist.destroy_process_group()
+        leave_process_group()  # together, after a barrier (__main__.py then skips Python's shutdown)
     return 0

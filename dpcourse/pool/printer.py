@@ -1,24 +1,13 @@
-"""Rank output, both ends: forwarded from the ranks' file descriptors, shown labelled in the kernel.
+"""Rank output shown in the kernel, labelled by rank (what ``forwarder`` sends from the ranks).
 
-On a rank, ``OutputForwarder`` sends everything written to fds 1 and 2 -- Python prints,
-C++ warnings, progress bars -- to the kernel as it is written.
-
-Complete lines go to the kernel's own stdout/stderr as they arrive ("[rank 1] epoch 3").
-A line still being rewritten with "\\r" (a progress bar) is shown, in a Jupyter kernel, in
-one live display per rank, so bars of different ranks do not overwrite each other; when
-the line ends, its final state is printed like any other line.
+Runs in the kernel. Complete lines go to the kernel's own stdout/stderr as they arrive
+("[rank 1] epoch 3"). A line still being rewritten with "\\r" (a progress bar) is shown, in a
+Jupyter kernel, in one live display per rank, so bars of different ranks do not overwrite each
+other; when the line ends, its final state is printed like any other line.
 """
 from __future__ import annotations
 
-import codecs
-import fcntl
-import io
-import os
-import selectors
-import struct
 import sys
-import termios
-import threading
 import time
 
 
@@ -113,58 +102,3 @@ class RankPrinter:
             self._clear_bar(key)
         sys.stdout.flush()
         sys.stderr.flush()
-
-
-class OutputForwarder:
-    """Redirects fds 1 and 2 into pipes and forwards what arrives to the kernel."""
-
-    def __init__(self, send):
-        self._send = send
-        self._busy = threading.Lock()  # held from reading a chunk until it is sent
-        self._fds = {}
-        for stream, fd in (("stdout", 1), ("stderr", 2)):
-            r, w = os.pipe()
-            os.dup2(w, fd)
-            os.close(w)
-            self._fds[r] = (stream, codecs.getincrementaldecoder("utf-8")("replace"))
-        # Unbuffered text streams: a print() or a "\r" progress update reaches the pipe at once.
-        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8",
-                                      errors="backslashreplace", write_through=True)
-        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8",
-                                      errors="backslashreplace", write_through=True)
-        threading.Thread(target=self._pump, name="dpcourse-output", daemon=True).start()
-
-    def _pump(self):
-        sel = selectors.DefaultSelector()
-        for r in self._fds:
-            sel.register(r, selectors.EVENT_READ)
-        while True:
-            for key, _ in sel.select():
-                with self._busy:
-                    data = os.read(key.fd, 65536)
-                    stream, decoder = self._fds[key.fd]
-                    text = decoder.decode(data)
-                    if text:
-                        self._send(("out", stream, text))
-
-    def _pending(self) -> int:
-        total = 0
-        for r in self._fds:
-            total += struct.unpack("i", fcntl.ioctl(r, termios.FIONREAD, b"\0\0\0\0"))[0]
-        return total
-
-    def drain(self, limit: float = 2.0) -> None:
-        """Return once everything written so far has been sent to the kernel."""
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:
-                pass
-        deadline = time.monotonic() + limit
-        while time.monotonic() < deadline:
-            if self._pending() == 0:
-                with self._busy:  # a chunk already read is sent before we get the lock
-                    pass
-                if self._pending() == 0:
-                    return
-            time.sleep(0.0005)

@@ -1,0 +1,150 @@
+"""The pool's protocol is explicit: one typed message per kind, read by name; a call returns an
+outcome the cluster applies; each module of the pool runs in one process, as its table says."""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import pickle
+import re
+from pathlib import Path
+
+import dpcourse.pool
+from dpcourse.pool import wire
+from test_architecture import imported_modules
+
+POOL = Path(dpcourse.pool.__file__).resolve().parent
+
+# A message read by position: msg[0], message[2], reply[-1], conn.recv()[0].
+POSITIONAL = re.compile(r"\b(msg|message|reply|request|answer)\[|\.recv\(\)\[")
+# Files that may still read messages by position, each waiting for a change elsewhere (none
+# now); the test fails on an entry that no longer does, so that it is taken off the list.
+WAITING: set[str] = set()
+
+
+def positional_reads() -> dict[str, list[int]]:
+    """file -> lines of ``pool/`` that index a message."""
+    found = {}
+    for path in sorted(POOL.glob("*.py")):
+        lines = [n for n, line in enumerate(path.read_text().splitlines(), 1) if POSITIONAL.search(line)]
+        if lines:
+            found[path.name] = lines
+    return found
+
+
+def test_no_message_is_read_by_position():
+    found = positional_reads()
+    unexpected = {name: lines for name, lines in found.items() if name not in WAITING}
+    assert not unexpected, f"read the message's fields by name (see wire): {unexpected}"
+    assert set(found) == WAITING, f"reads by name now, take off WAITING: {WAITING - set(found)}"
+
+
+def test_the_scan_finds_positional_reads():
+    for line in ("kind = msg[0]", "x = reply[-1]", "if conn.recv()[0] == 'imported':"):
+        assert POSITIONAL.search(line), line
+    for line in ("kind = msg.kind", "messages[0]", "self.results[rank]"):
+        assert not POSITIONAL.search(line), line
+
+
+def private_reads_of_others(source: str) -> list[str]:
+    """``x._name`` where ``x`` is not ``self``: a private attribute of another object."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            if not (isinstance(node.value, ast.Name) and node.value.id == "self"):
+                found.append(ast.unparse(node))
+    return found
+
+
+def test_a_call_touches_no_private_attribute_of_the_cluster():
+    source = (POOL / "call.py").read_text()
+    assert private_reads_of_others(source) == []
+    assert "cluster" not in {n.id for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Name)}
+    assert private_reads_of_others("def f(cluster):\n    return cluster._link, self._own") == ["cluster._link"]
+
+
+def test_no_module_of_the_pool_keeps_a_registry_of_clusters():
+    weak = ("WeakKeyDictionary", "WeakValueDictionary", "WeakSet")
+    for path in POOL.glob("*.py"):
+        for node in ast.parse(path.read_text()).body:  # module level only
+            if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+                text = ast.unparse(node.value)
+                assert not any(w in text for w in weak), f"{path.name}: {ast.unparse(node)}"
+
+
+def message_classes() -> list[type]:
+    return [c for c in vars(wire).values() if isinstance(c, type) and c.__module__ == wire.__name__
+            and (dataclasses.is_dataclass(c) or issubclass(c, tuple)) and not c.__name__.startswith("_")]
+
+
+def sample(cls: type):
+    """An instance of a message class with placeholder fields."""
+    if issubclass(cls, tuple):
+        return cls()
+    return cls(*[None] * len(dataclasses.fields(cls)))
+
+
+def test_every_message_says_what_it_is_and_travels_whole():
+    classes = message_classes()
+    assert len(classes) >= 30
+    for cls in classes:
+        assert cls.__doc__ and "(" not in cls.__doc__.split()[0], f"{cls.__name__} needs its spec"
+        message = sample(cls)
+        assert pickle.loads(pickle.dumps(message)) == message
+        assert wire.loads(wire.dumps(message)) == message
+        if dataclasses.is_dataclass(cls):
+            assert cls.__dataclass_params__.frozen, f"{cls.__name__}: a message does not change"
+
+
+def test_the_launchers_messages_keep_their_kind_first():
+    """The kernel's handle on the launcher builds and reads them as plain tuples."""
+    assert wire.to_launcher(("kill", [11, 12])) == wire.Kill(pids=[11, 12])
+    assert isinstance(wire.to_launcher(("sweep",)), wire.Sweep)
+    assert isinstance(wire.to_launcher(wire.Spawn(spec={}, spare=True)), wire.Spawn)
+    kind, pids = wire.Spawned(pids=[3, 4])
+    assert (kind, pids) == ("spawned", [3, 4])
+    assert wire.Imported(rank=1) == ("imported", 1)
+
+
+def test_replies_end_with_what_the_call_left():
+    after = wire.After(True, None, [])
+    for cls in (wire.Finished, wire.Exited, wire.Raised, wire.Interrupted):
+        assert issubclass(cls, wire.Reply)
+        assert [f.name for f in dataclasses.fields(cls)][:2] == ["run_id", "after"]
+    assert wire.Interrupted(7, after).after.intact
+
+
+# --------------------------------------------------------------- which process runs what
+def process_table() -> dict[str, str]:
+    """module -> process, from the table in ``dpcourse.pool``'s docstring."""
+    table, process = {}, None
+    lines = dpcourse.pool.__doc__.splitlines()
+    rules = [i for i, line in enumerate(lines) if line.startswith("=====")]
+    files = {p.stem for p in POOL.glob("*.py")}
+    for line in lines[rules[1] + 1:rules[2]]:
+        if line.strip() and not line.startswith(" "):
+            process = line.split("  ")[0].strip()
+        for name in re.findall(r"``([a-z_]+)``", line):
+            if name in files:
+                assert name not in table, f"{name} stands twice in the table"
+                table[name] = process
+    return table
+
+
+def test_every_module_of_the_pool_is_in_the_process_table():
+    table = process_table()
+    assert set(table.values()) == {"kernel", "launcher", "rank", "all three"}
+    assert set(table) == {p.stem for p in POOL.glob("*.py")} - {"__init__"}
+
+
+def test_no_process_imports_another_ones_modules():
+    table = process_table()
+    allowed = {"kernel": {"kernel"}, "rank": {"rank"}, "launcher": {"launcher", "rank"},
+               "all three": set()}
+    for module, process in table.items():
+        path = POOL / f"{module}.py"
+        for target in imported_modules(path, f"dpcourse.pool.{module}"):
+            name = target.removeprefix("dpcourse.pool.").split(".")[0]
+            if target.startswith("dpcourse.pool.") and name in table:
+                other = table[name]
+                assert other == "all three" or other in allowed[process], \
+                    f"{module} ({process}) imports {name} ({other})"
