@@ -403,6 +403,7 @@ def _import_torch(nice: int | None) -> None:
         if nice is not None and sys.platform.startswith("linux"):
             try:
                 os.setpriority(os.PRIO_PROCESS, 0, nice)  # 0: this thread
+                os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # see launcher.LOW_PRIORITY
             except OSError:
                 pass
         import cloudpickle  # noqa: F401
