@@ -289,6 +289,26 @@ def test_e_buckets_are_the_ones_torch_ddp_builds(cluster2):
     assert f"the MLP's {len(names)} gradients travel in {len(theirs)} buckets" in check
 
 
+def _scaffold_buckets(caps_mb):
+    """The names in each of the scaffold's buckets (the reference keeps the scaffold as it is),
+    for each cap."""
+    model = dpc.models.build_model("mlp", **exercise_e.SIZES)
+    names = {p: n for n, p in model.named_parameters()}
+    return [[[names[p] for p in bucket] for bucket in bucketed_e.MyBucketedDDP(model, cap).buckets]
+            for cap in caps_mb]
+
+
+def test_e_the_scaffold_packs_as_the_checker_plans(cluster2):
+    """The scaffold writes the bucket rule out for the learner; the checker's plan uses the
+    course's ``assign_buckets``: the same buckets at caps that give one bucket per tensor, the
+    exercise's four (the rule that closes a bucket before the cap makes seven), two, and one."""
+    caps = [1e-6, exercise_e.BUCKET_CAP_MB, 1.5, 25.0]
+    model = dpc.models.build_model("mlp", **exercise_e.SIZES)
+    want = [[names for names, _ in exercise_e.bucket_plan(model, cap)] for cap in caps]
+    assert len({len(plan) for plan in want}) == len(caps)  # the caps tell the rules apart
+    assert cluster2.run(_scaffold_buckets, caps) == [want, want]
+
+
 def _torch_ddp_bucket_bytes(bucket_cap_mb):
     """Bytes of each bucket torch DDP all-reduces in its second backward (after the rebuild)."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook

@@ -5,8 +5,6 @@ Everything above ``grad_ready`` is the starter's scaffold, unchanged.
 import torch
 import torch.distributed as dist
 
-import dpcourse as dpc
-
 
 class MyBucketedDDP(torch.nn.Module):
     """DDP with gradient buckets. The scaffold broadcasts, packs buckets and hooks the
@@ -20,10 +18,13 @@ class MyBucketedDDP(torch.nn.Module):
         # Buckets: gradients in the order backward produces them (the reverse of the
         # parameters'), cut by torch DDP's rule: a bucket closes once it holds at least
         # bucket_cap_mb MiB, so the gradient that fills it is its last.
-        params = [p for p in module.parameters() if p.requires_grad][::-1]
-        plan = dpc.scratch.bucketed.assign_buckets(  # indices into params, bucket by bucket
-            [p.numel() for p in params], [p.element_size() for p in params], bucket_cap_mb)
-        self.buckets = [[params[j] for j in bucket] for bucket in plan]
+        cap, self.buckets, size = bucket_cap_mb * 2**20, [[]], 0
+        for p in reversed([p for p in module.parameters() if p.requires_grad]):
+            if size >= cap:  # the last bucket is full: this gradient opens the next
+                self.buckets.append([])
+                size = 0
+            self.buckets[-1].append(p)
+            size += p.numel() * p.element_size()
         self.bucket_of = {p: i for i, bucket in enumerate(self.buckets) for p in bucket}
         self.ready = [set() for _ in self.buckets]   # per bucket: its parameters whose .grad is in
         self.flat = [None] * len(self.buckets)       # per bucket: the one tensor it sends
