@@ -16,7 +16,7 @@ __all__ = ["Cluster", "RankError", "RankTimeout"]
 
 def load_ipython_extension(ipython) -> None:
     """``%load_ext dpcourse``: registers the %%ranks cell magic."""
-    from .pool.magic import RanksMagics
+    from .pool.kernel.magic import RanksMagics
 
     ipython.register_magics(RanksMagics)
 

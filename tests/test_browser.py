@@ -27,7 +27,7 @@ from urllib.parse import urlparse
 import pytest
 from _browser_page import NotebookPage  # tests/_browser_page.py: the notebook-page helpers
 
-from dpcourse.pool.procs import free_port
+from dpcourse.pool.kernel.procs import free_port
 
 pytestmark = pytest.mark.browser
 ROOT = Path(__file__).resolve().parent.parent

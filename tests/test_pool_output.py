@@ -6,7 +6,7 @@ import re
 import pytest
 
 import dpcourse as dpc
-from dpcourse.pool.printer import RANK_RGB, RankPrinter
+from dpcourse.pool.kernel.printer import RANK_RGB, RankPrinter
 from dpcourse.viz.colors import rank_color
 
 pytestmark = pytest.mark.timeout(180)

@@ -22,7 +22,7 @@ from dpcourse.pool.errors import RankDied
 from dpcourse import processes
 from dpcourse.observe import comm as comm_module
 from dpcourse.pool import rank as rank_module
-from dpcourse.pool.procs import MemoryWatch, physical_memory
+from dpcourse.pool.kernel.procs import MemoryWatch, physical_memory
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -24,7 +24,7 @@ WAITING: set[str] = set()
 def positional_reads() -> dict[str, list[int]]:
     """file -> lines of ``pool/`` that index a message."""
     found = {}
-    for path in sorted(POOL.glob("*.py")):
+    for path in sorted(POOL.rglob("*.py")):
         lines = [n for n, line in enumerate(path.read_text().splitlines(), 1) if POSITIONAL.search(line)]
         if lines:
             found[path.name] = lines
@@ -56,7 +56,7 @@ def private_reads_of_others(source: str) -> list[str]:
 
 
 def test_a_call_touches_no_private_attribute_of_the_cluster():
-    source = (POOL / "call.py").read_text()
+    source = (POOL / "kernel" / "call.py").read_text()
     assert private_reads_of_others(source) == []
     assert "cluster" not in {n.id for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Name)}
     assert private_reads_of_others("def f(cluster):\n    return cluster._link, self._own") == ["cluster._link"]
@@ -64,7 +64,7 @@ def test_a_call_touches_no_private_attribute_of_the_cluster():
 
 def test_no_module_of_the_pool_keeps_a_registry_of_clusters():
     weak = ("WeakKeyDictionary", "WeakValueDictionary", "WeakSet")
-    for path in POOL.glob("*.py"):
+    for path in POOL.rglob("*.py"):
         for node in ast.parse(path.read_text()).body:  # module level only
             if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
                 text = ast.unparse(node.value)
@@ -114,26 +114,28 @@ def test_replies_end_with_what_the_call_left():
 
 
 # --------------------------------------------------------------- which process runs what
+def process_of(path: Path) -> str:
+    """Which process runs a module of ``pool/``: its folder says."""
+    rel = path.relative_to(POOL)
+    if len(rel.parts) > 1:
+        return {"kernel": "kernel", "ranks": "rank"}[rel.parts[0]]
+    return "launcher" if rel.stem == "launcher" else "all three"
+
+
 def process_table() -> dict[str, str]:
-    """module -> process, from the table in ``dpcourse.pool``'s docstring."""
-    table, process = {}, None
-    lines = dpcourse.pool.__doc__.splitlines()
-    rules = [i for i, line in enumerate(lines) if line.startswith("=====")]
-    files = {p.stem for p in POOL.glob("*.py")}
-    for line in lines[rules[1] + 1:rules[2]]:
-        if line.strip() and not line.startswith(" "):
-            process = line.split("  ")[0].strip()
-        for name in re.findall(r"``([a-z_]+)``", line):
-            if name in files:
-                assert name not in table, f"{name} stands twice in the table"
-                table[name] = process
-    return table
+    """module under ``dpcourse.pool`` (dotted, e.g. ``kernel.call``) -> the process that runs it."""
+    return {".".join(p.relative_to(POOL).with_suffix("").parts): process_of(p)
+            for p in POOL.rglob("*.py") if p.stem != "__init__"}
 
 
-def test_every_module_of_the_pool_is_in_the_process_table():
+def test_the_pool_folders_say_which_process_runs_a_module():
     table = process_table()
     assert set(table.values()) == {"kernel", "launcher", "rank", "all three"}
-    assert set(table) == {p.stem for p in POOL.glob("*.py")} - {"__init__"}
+    everywhere = {module for module, process in table.items() if process == "all three"}
+    assert everywhere == {"wire", "errors", "reaper"}, \
+        "a module at the top of pool/ runs in every process: one that runs in one goes in kernel/ or ranks/"
+    for module in table:  # the package's docstring tells a newcomer the same
+        assert f"``{module.split('.')[-1]}``" in dpcourse.pool.__doc__, f"pool's docstring does not name {module}"
 
 
 def test_no_process_imports_another_ones_modules():
@@ -141,9 +143,9 @@ def test_no_process_imports_another_ones_modules():
     allowed = {"kernel": {"kernel"}, "rank": {"rank"}, "launcher": {"launcher", "rank"},
                "all three": set()}
     for module, process in table.items():
-        path = POOL / f"{module}.py"
+        path = POOL / (module.replace(".", "/") + ".py")
         for target in imported_modules(path, f"dpcourse.pool.{module}"):
-            name = target.removeprefix("dpcourse.pool.").split(".")[0]
+            name = target.removeprefix("dpcourse.pool.")
             if target.startswith("dpcourse.pool.") and name in table:
                 other = table[name]
                 assert other == "all three" or other in allowed[process], \

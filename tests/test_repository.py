@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dpcourse.pool.procs import free_port
+from dpcourse.pool.kernel.procs import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 

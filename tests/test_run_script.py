@@ -239,7 +239,7 @@ def test_memory_error_on_a_rank_is_a_rank_error(cluster2):
 
 
 def test_a_rank_killed_with_high_memory_is_reported_as_likely_oom(cluster2, monkeypatch):
-    from dpcourse.pool.procs import MemoryWatch
+    from dpcourse.pool.kernel.procs import MemoryWatch
 
     monkeypatch.setattr(MemoryWatch, "LIKELY_OOM_FRACTION", 0.001)  # ~24 MiB on a 24 GiB machine
     victim = cluster2.pids[1]

@@ -29,13 +29,13 @@ pytestmark = pytest.mark.timeout(300)
 
 def test_fork_is_linux_default_and_the_choice_is_checked(monkeypatch):
     monkeypatch.delenv("DPCOURSE_START_METHOD", raising=False)
-    assert dpc.pool.cluster.choose_start_method(None) == "fork"
+    assert dpc.pool.kernel.cluster.choose_start_method(None) == "fork"
     monkeypatch.setenv("DPCOURSE_START_METHOD", "spawn")
-    assert dpc.pool.cluster.choose_start_method(None) == "spawn"
-    assert dpc.pool.cluster.choose_start_method("fork") == "fork"  # the argument wins
+    assert dpc.pool.kernel.cluster.choose_start_method(None) == "spawn"
+    assert dpc.pool.kernel.cluster.choose_start_method("fork") == "fork"  # the argument wins
     with pytest.raises(ClusterError, match=r"DPCOURSE_START_METHOD='forkserver': choose 'fork'"):
         monkeypatch.setenv("DPCOURSE_START_METHOD", "forkserver")
-        dpc.pool.cluster.choose_start_method(None)
+        dpc.pool.kernel.cluster.choose_start_method(None)
     with pytest.raises(ClusterError, match=r"start_method='thread': choose"):
         dpc.Cluster(2, start_method="thread")
 
@@ -45,7 +45,7 @@ def test_where_sockets_cannot_be_passed_the_pool_says_to_use_wsl(monkeypatch):
 
     monkeypatch.delattr(socket, "send_fds")  # what native Windows lacks
     with pytest.raises(ClusterError, match="native Windows.*WSL"):
-        dpc.pool.cluster.choose_start_method("spawn")
+        dpc.pool.kernel.cluster.choose_start_method("spawn")
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +81,7 @@ def test_a_failure_restarts_on_the_spare_generation(spawned):
     with pytest.raises(RankDied):
         spawned.run(lambda: os._exit(3) if dist.get_rank() == 1 else dist.barrier())
     assert spawned.run(lambda: os.getpid()) == spare  # the warm spare took over
-    assert len(spawned._spares) == dpc.pool.cluster.SPARE_GENERATIONS  # and new ones wait
+    assert len(spawned._spares) == dpc.pool.kernel.cluster.SPARE_GENERATIONS  # and new ones wait
     assert all(set(gen.pids).isdisjoint(spare) for gen in spawned._spares)
 
 
@@ -194,7 +194,7 @@ def test_killing_the_launcher_leaves_no_rank_and_no_spare():
     try:
         _warm(cluster)
         pids = _all_pids(cluster)
-        assert len(pids) == 2 * (1 + dpc.pool.cluster.SPARE_GENERATIONS)
+        assert len(pids) == 2 * (1 + dpc.pool.kernel.cluster.SPARE_GENERATIONS)
         os.kill(cluster.launcher_pid, signal.SIGKILL)  # our own child, by its PID
         assert wait_gone(pids) == [], "ranks outlived their launcher"
     finally:
@@ -207,7 +207,7 @@ def test_without_a_death_signal_a_watchdog_follows_the_parent(tmp_path):
     child_code = textwrap.dedent("""
         import os, sys, time
         sys.platform = "darwin"  # no prctl: the watchdog path
-        from dpcourse.pool.rank import set_death_signal
+        from dpcourse.pool.ranks.rank import set_death_signal
         set_death_signal(os.getppid())
         time.sleep(120)
     """)

@@ -20,7 +20,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "dpcourse"
 # import, a class or function it defines). What it lets through besides, each with why:
 OWN_PREFIXES = ("_dpc",)  # dpcourse's own marks on foreign objects (_dpcourse_guard, ...): no library uses the prefix
 OWN_OBJECTS = {  # a name that holds an object of dpcourse's, read by a sibling module -> the file
-    "cluster": "pool/cluster.py",  # whose code defines that name
+    "cluster": "pool/kernel/cluster.py",  # whose code defines that name
     "wrapper": "scratch/ddp.py",  # the wrapper, through a weak reference
     "dp": "scratch/threaded_dp.py",  # ctx.dp, the ThreadedDataParallel a backward belongs to
     "player": "viz/ring.py",  # a drawing's player (viz/ring.py's and viz/memory.py's keep frames alike)
@@ -134,7 +134,7 @@ def test_no_private_name_outside_its_one_module():
     ("def f(name):\n    return name.replace('_checkpoint_wrapped_module.', '')", "'_checkpoint_wrapped_module.'"),
     ("class M(nn.Module):\n    def f(self):\n        return self._parameters", "self._parameters"),  # inherited
     ("class M(Base):\n    def f(self):\n        return getattr(self, '_handle', None)", "self._handle"),
-    ("def f(cluster):\n    return cluster._WINFO", "cluster._WINFO"),  # a name pool/cluster.py does not define
+    ("def f(cluster):\n    return cluster._WINFO", "cluster._WINFO"),  # a name pool/kernel/cluster.py does not define
 ])
 def test_the_scan_catches_each_form(source, caught):
     found = private_uses(source, "example.py")
@@ -145,7 +145,7 @@ def test_the_scan_catches_each_form(source, caught):
     "class A:\n    _y = None\n    def __init__(self):\n        self._x = 1\n    def f(self):\n"
     "        return self._x, getattr(self, '_y', None), self._f()\n    def _f(self):\n        pass",
     "from . import parallel\nparallel._DTYPES",
-    "from .pool.cluster import Cluster\nCluster._helper",
+    "from .pool.kernel.cluster import Cluster\nCluster._helper",
     "import os\nos._exit(0)",
     "def f(cluster):\n    return cluster._link",
     "def f(t):\n    t._dpc_id = 1\n    return t.__class__, t.__dict__",

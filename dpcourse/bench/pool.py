@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..pool import Cluster, RankDied, RankError
-from ..pool.procs import free_port
+from ..pool.kernel.procs import free_port
 from ..collectives.alpha_beta import time_all_reduce
 
 

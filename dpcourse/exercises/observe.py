@@ -197,7 +197,7 @@ class ScriptRecorder:
         import torch.distributed as dist
 
         from ..observe.payload import first_tensor, issued_bytes
-        from ..pool.tracker import process_group, when_complete
+        from ..pool.ranks.tracker import process_group, when_complete
 
         if issued.collective in ("send", "recv"):
             return
@@ -212,7 +212,7 @@ class ScriptRecorder:
         """Listen to the collective tracker once the process group is up, until the recorder is left."""
         import torch.distributed as dist
 
-        from ..pool.tracker import TRACKER
+        from ..pool.ranks.tracker import TRACKER
 
         init = dist.init_process_group
 

@@ -42,7 +42,7 @@ def _fork_rank(spec: dict, rank: int, fds: list[int], inherited: list[int], laun
     for fd in fds + inherited:
         if fd not in mine:
             os.close(fd)
-    from . import rank as rank_module
+    from .ranks import rank as rank_module
 
     rank_module.main(spec, rank, mine[0], mine[1], launcher_pid)
     os._exit(5)  # not reached
@@ -81,11 +81,11 @@ def _boot_code(spare: bool) -> str:
         f"    if {spare!r} and sys.platform.startswith('linux'):",
         f"        os.setpriority(os.PRIO_PROCESS, 0, {LOW_PRIORITY})",  # 0: this thread
         "        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))",  # see LOW_PRIORITY
-        "    import dpcourse.pool.rank",
+        "    import dpcourse.pool.ranks.rank",
         "thread = threading.Thread(target=load)",
         "thread.start()",
         "thread.join()",
-        "from dpcourse.pool.rank import spawned_main",  # raises here if the thread's import failed
+        "from dpcourse.pool.ranks.rank import spawned_main",  # raises here if the thread's import failed
         "spawned_main()"])
 
 
@@ -342,7 +342,7 @@ def main() -> None:
         import torch.distributed  # noqa: F401
         import torch.distributed.distributed_c10d  # noqa: F401
 
-        from . import rank  # noqa: F401
+        from .ranks import rank  # noqa: F401
 
     launcher = Launcher(sock, start_method)
     launcher.conn.send(wire.LauncherReady(pid=os.getpid()))

@@ -108,7 +108,7 @@ def _state_bytes(optimizer) -> tuple[int, int]:
 def _zero_on_rank(make_optimizer):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from ...pool.tracker import TRACKER
+    from ...pool.ranks.tracker import TRACKER
 
     rank, world = dist.get_rank(), dist.get_world_size()
     x, y = models.make_dataset("mlp", SHARE * world).tensors
@@ -212,7 +212,7 @@ def powersgd_bytes(rank: int, min_compression_rate: float = 2) -> int:
 def _powersgd_on_rank(register):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from ...pool.tracker import TRACKER
+    from ...pool.ranks.tracker import TRACKER
 
     rank = dist.get_rank()
     x, y = models.make_dataset("mlp", SHARE * dist.get_world_size()).tensors

@@ -462,7 +462,7 @@ def _handed_back(value, returned: list):
 def _compressed_on_rank(register):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from ...pool.tracker import TRACKER
+    from ...pool.ranks.tracker import TRACKER
 
     rank, world = dist.get_rank(), dist.get_world_size()
     x, y = models.make_dataset("mlp", SHARE * world).tensors

@@ -33,7 +33,7 @@ class _Collectives:
 
     def __enter__(self):
         from ...observe.comm import first_tensor
-        from ...pool.tracker import TRACKER
+        from ...pool.ranks.tracker import TRACKER
 
         def issued(call):
             t = first_tensor(call.args[0]) if call.args else None

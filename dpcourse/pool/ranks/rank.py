@@ -19,13 +19,13 @@ import threading
 import traceback
 from multiprocessing.connection import Connection
 
-from ..backends import rank_device
-from ..processes import set_death_signal
-from . import wire
+from ...backends import rank_device
+from ...processes import set_death_signal
+from .. import wire
 from .forwarder import OutputForwarder
 from .group import PoolGroup, torchrun_env
 from .isolation import script_imports
-from .reaper import own_group, stop_descendants
+from ..reaper import own_group, stop_descendants
 from .tracker import TRACKER
 
 _exit = os._exit  # the process's own exit: a script's os._exit is caught while it runs (_exec_script)
@@ -318,7 +318,7 @@ def prefer_oom_kill() -> bool:
         return False
 
 
-_POOL_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_POOL_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # all of pool/
 
 
 def _is_pool_code(filename: str) -> bool:

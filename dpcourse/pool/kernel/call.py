@@ -12,11 +12,12 @@ import signal
 import time
 from dataclasses import dataclass, field
 
-from . import deadlock, wire
-from .errors import RankDeadlock, RankDied, RankError, RankReport, RankTimeout, interrupted, wait_hint
+from . import deadlock
+from .. import wire
+from ..errors import RankDeadlock, RankDied, RankError, RankReport, RankTimeout, interrupted, wait_hint
 from .link import RankLink
 from .procs import Generation, readable
-from .reaper import describe
+from ..reaper import describe
 from .traffic import add_traffic, in_flight
 
 ERROR_GRACE_S = 0.25  # after the first failure, how long other ranks may take to report theirs

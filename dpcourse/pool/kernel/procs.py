@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 
 # free_port is re-exported: bench/pool.py, test_browser and test_repository import it from here.
-from ..processes import PACKAGE_ROOT, describe_exit, free_port  # noqa: F401
-from . import wire
-from .errors import ClusterError
-from .reaper import describe
+from ...processes import PACKAGE_ROOT, describe_exit, free_port  # noqa: F401
+from .. import wire
+from ..errors import ClusterError
+from ..reaper import describe
 
 
 @dataclass

@@ -13,8 +13,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from ..backends import uses_cuda
-from .errors import ClusterError, RankError, RankTimeout
+from ...backends import uses_cuda
+from ..errors import ClusterError, RankError, RankTimeout
 from .procs import Generation, LauncherProcess
 
 

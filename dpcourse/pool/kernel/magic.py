@@ -29,7 +29,7 @@ from IPython.core import magic_arguments
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 
 from .cluster import current_cluster
-from .errors import ClusterError
+from ..errors import ClusterError
 
 
 @magics_class
@@ -46,7 +46,7 @@ class RanksMagics(Magics):
                               help="with --script: a script file to run instead of the cell")
     @line_cell_magic
     def ranks(self, line, cell=None):
-        """Run the cell body on every rank (see ``dpcourse.pool.magic``)."""
+        """Run the cell body on every rank (see ``dpcourse.pool.kernel.magic``)."""
         args = magic_arguments.parse_argstring(self.ranks, line)
         if args.file and not args.script:
             raise ClusterError(f"%ranks got a file name ({args.file}) without --script: "

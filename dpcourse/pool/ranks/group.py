@@ -27,8 +27,8 @@ import datetime
 import os
 import sys
 
-from ..backends import uses_cuda
-from ..torch_private import process_groups
+from ...backends import uses_cuda
+from ...torch_private import process_groups
 
 # The process group's own timeout. The pool enforces the learner's timeout itself and
 # kills stuck ranks; Gloo's default (30 min) would only get in the way.

@@ -48,8 +48,8 @@ import time
 import warnings
 from dataclasses import dataclass
 
-from ..torch_private import below_autograd, boxed_type_name, source_rank
-from .errors import ordinal
+from ...torch_private import below_autograd, boxed_type_name, source_rank
+from ..errors import ordinal
 
 # c10d operator -> the collective's name in torch.distributed (one table for the package: the
 # observers read the name from it, as ``Issued.collective``).

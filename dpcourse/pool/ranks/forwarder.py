@@ -16,7 +16,7 @@ import termios
 import threading
 import time
 
-from .wire import Output
+from ..wire import Output
 
 
 class OutputForwarder:

@@ -24,13 +24,14 @@ import tempfile
 import time
 import weakref
 
-from ..backends import BackendError, choose_backend
-from . import health, wire
+from ...backends import BackendError, choose_backend
+from . import health
+from .. import wire
 from .call import Call, Outcome
-from .errors import ClusterError, interrupted
+from ..errors import ClusterError, interrupted
 from .link import RankLink
 from .printer import RankPrinter
-from ..processes import free_ports
+from ...processes import free_ports
 from .procs import Generation, LauncherProcess, MemoryWatch, check_port, readable
 
 _DEFAULT = object()

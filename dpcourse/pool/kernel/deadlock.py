@@ -21,7 +21,7 @@ in a row, with no progress between them.
 """
 from __future__ import annotations
 
-from .errors import ordinal
+from ..errors import ordinal
 
 PROBE_S = 0.5  # how often the kernel asks running ranks what they wait in
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import os
 import time
 
-from . import wire
+from .. import wire
 from .printer import RankPrinter
-from ..processes import describe_exit
+from ...processes import describe_exit
 from .procs import Generation, LauncherProcess, MemoryWatch, readable
 
 
