@@ -21,7 +21,7 @@ import dpcourse as dpc
 from dpcourse.pool.errors import RankDied
 from dpcourse import processes
 from dpcourse.observe import comm as comm_module
-from dpcourse.pool import rank as rank_module
+from dpcourse.pool.ranks import rank as rank_module
 from dpcourse.pool.kernel.procs import MemoryWatch, physical_memory
 
 pytestmark = pytest.mark.timeout(120)
