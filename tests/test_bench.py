@@ -31,7 +31,8 @@ def test_collectives_benchmark_prints_a_table_bytes_and_the_target():
     assert target, out
     assert ring_16[7] == f"{target.group(2)}x"
     assert float(target.group(3)) <= float(target.group(2)) <= float(target.group(4))
-    assert (target.group(1) == "ok") == (float(target.group(2)) >= 0.8)
+    if abs(float(target.group(2)) - 0.8) >= 0.005:  # printed to 2 decimals: 0.80 may be 0.797, MISSED
+        assert (target.group(1) == "ok") == (float(target.group(2)) >= 0.8)
     plain_16 = next(r for r in rows if r[1] == "16" and r[3] == "ring_all_reduce")
     plain = re.search(r"ring_all_reduce, the plain ring .*\(no target\): lowest ([\d.]+)x", out)
     assert plain and plain_16[7] == f"{plain.group(1)}x", out
