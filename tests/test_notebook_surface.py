@@ -2,8 +2,9 @@
 written in code cells, the few names of this package they use (every form: ``dpc.x.y``,
 ``from dpcourse... import``, aliases), no private PyTorch name in any code cell, how much of
 the visible code is ``assert``s, that each chapter notebook can be finished in a sitting (its
-cells, its words, its minutes in the README's course map), and that a script a notebook
-writes with ``%%writefile`` is the package's script, line for line."""
+cells, its words, its minutes in the README's course map), that a script a notebook
+writes with ``%%writefile`` is the package's script, line for line, and that a helper is
+defined once per notebook, under one name and with the same arguments in every notebook."""
 from __future__ import annotations
 
 import ast
@@ -276,3 +277,121 @@ def test_a_script_written_by_a_notebook_is_the_packages_script():
             body = source.split("\n", 1)[1]
             assert body.rstrip("\n") == Path(dpc.scripts.path(found.group(1))).read_text().rstrip("\n"), \
                 f"{path.name} {cell['id']}: its {found.group(1)}.py differs from dpcourse/scripts/"
+
+
+def top_level_functions(paths):
+    """(notebook, cell, function) for each function a code cell defines at its top level; a
+    ``%%writefile`` cell writes a script, a file of its own, and is left out."""
+    for path, cell, source in cells(paths):
+        if cell["cell_type"] == "code" and not source.startswith("%%writefile"):
+            for node in ast.parse(python_of(source)).body:
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    yield path, cell, node
+
+
+def _calls(node, name: str) -> bool:
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == name
+
+
+def _body(function) -> list:
+    """A function's statements, its docstring left out."""
+    first = function.body[0]
+    docstring = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+    return function.body[1:] if docstring else function.body
+
+
+def is_largest_difference(function) -> bool:
+    """It only returns the max of ``(a - b).abs().max()``: assignments and asserts may come first,
+    nothing else (a function that trains and then measures is another idea)."""
+    body = _body(function)
+    before, last = body[:-1], body[-1] if body else None
+    if not (isinstance(last, ast.Return) and _calls(last.value, "max")
+            and all(isinstance(s, (ast.Assign, ast.Assert)) for s in before)):
+        return False
+    return any(isinstance(n, ast.Attribute) and n.attr == "max" and isinstance(n.value, ast.Call)
+               and isinstance(n.value.func, ast.Attribute) and n.value.func.attr == "abs"
+               and isinstance(n.value.func.value, ast.BinOp) and isinstance(n.value.func.value.op, ast.Sub)
+               for n in ast.walk(last.value))
+
+
+def is_shard_blocks(function) -> bool:
+    """It only calls ``fully_shard`` on each item of a loop, then on the root: assignments and a
+    ``return`` of a name may come with it, nothing else (a function that then trains is another idea)."""
+    body = _body(function)
+    loops = [i for i, s in enumerate(body) if isinstance(s, ast.For)
+             and any(_calls(n, "fully_shard") for n in ast.walk(s))]
+    roots = [i for i, s in enumerate(body) if isinstance(s, (ast.Expr, ast.Return)) and _calls(s.value, "fully_shard")]
+    rest = [s for i, s in enumerate(body) if i not in loops + roots]
+    return (bool(loops) and bool(roots) and min(loops) < max(roots)
+            and all(isinstance(s, ast.Assign) or (isinstance(s, ast.Return) and isinstance(s.value, ast.Name))
+                    for s in rest))
+
+
+# One idea, one name: a function that does what the left side says is called as the right side says.
+IDEAS = {"largest_difference": is_largest_difference, "shard_blocks": is_shard_blocks}
+# Names that mean different things in different notebooks, each for a reason; any other helper
+# defined in several notebooks has the same arguments in each (an exception that no longer differs fails).
+SIGNATURES_DIFFER = {
+    # try-it scaffolds: the argument names the model the checker hands in (DDP in 4.2a, FSDP2 in 4.2c)
+    "accumulate": {"4.2a-communication-and-ddp.ipynb", "4.2c-large-models.ipynb"},
+    # 4.2c's takes `api` to accumulate under FSDP1's no_sync() or FSDP2's set_requires_gradient_sync()
+    "train_accumulating": {"4.1a-data-parallelism-in-depth.ipynb", "4.2c-large-models.ipynb"},
+    # 4.2b's wraps and trains a fresh MLP; 4.2d's is the Join try-it's loop over a rank's own batches
+    "train": {"4.2b-fsdp.ipynb", "4.2d-launching-faults-and-pitfalls.ipynb"},
+    # 4.2c's measures a model's bytes on a rank; exercise B's is the learner's ledger of a setup
+    "held": {"4.2c-large-models.ipynb", "B-ddp-vs-fsdp.ipynb"},
+}
+
+
+def _arguments(function) -> tuple:
+    a = function.args
+    return (tuple(x.arg for x in a.posonlyargs + a.args), a.vararg and a.vararg.arg,
+            tuple(x.arg for x in a.kwonlyargs), a.kwarg and a.kwarg.arg)
+
+
+def test_a_notebook_defines_each_function_once():
+    where: dict = {}
+    for path, cell, function in top_level_functions(CHAPTERS + EXERCISES):
+        where.setdefault((path.name, function.name), []).append(cell["id"])
+    twice = [f"{book}: {name} in cells {ids}" for (book, name), ids in where.items() if len(ids) > 1]
+    assert not twice, "defined more than once in a notebook (define it once, use it after):\n" + "\n".join(twice)
+
+
+def test_a_helper_has_the_same_arguments_in_every_notebook_that_defines_it():
+    signatures: dict = {}
+    for path, _, function in top_level_functions(CHAPTERS + EXERCISES):
+        signatures.setdefault(function.name, {})[path.name] = _arguments(function)
+    differ = {name: books for name, books in signatures.items() if len(set(books.values())) > 1}
+    unexplained = [f"{name}: {books}" for name, books in differ.items() if set(books) != SIGNATURES_DIFFER.get(name)]
+    assert not unexplained, "one helper, different arguments (make them agree):\n" + "\n".join(unexplained)
+    stale = sorted(set(SIGNATURES_DIFFER) - set(differ))
+    assert not stale, f"these no longer differ: take them out of SIGNATURES_DIFFER: {stale}"
+
+
+def test_an_idea_has_one_name_in_every_notebook():
+    misnamed = [f"{path.name} {cell['id']}: {function.name} is {name}"
+                for path, cell, function in top_level_functions(CHAPTERS + EXERCISES)
+                for name, is_it in IDEAS.items() if is_it(function) and function.name != name]
+    assert not misnamed, "one idea under another name (call it by the course's name):\n" + "\n".join(misnamed)
+
+
+def test_the_idea_scan_sees_each_spelling():
+    def function(source):
+        return ast.parse(source).body[0]
+    assert is_largest_difference(function(
+        "def worst_difference(ranks, reference):\n"
+        "    return max((r[n] - w).abs().max().item() for r in ranks for n, w in reference.items())"))
+    assert is_largest_difference(function(
+        'def max_difference(path_a, path_b):\n    """Doc."""\n    a, b = torch.load(path_a), torch.load(path_b)\n'
+        "    assert list(a) == list(b)\n    return max((a[k] - b[k]).abs().max().item() for k in a)"))
+    assert not is_largest_difference(function(  # trains, then measures: 4.2e's gradient_gap
+        "def gradient_gap():\n    one(x).backward()\n"
+        "    return max((a.grad - b.grad).abs().max().item() for a, b in zip(p, q))"))
+    assert is_shard_blocks(function(
+        "def wrap(model):\n    for block in model.blocks:\n        fully_shard(block)\n    return fully_shard(model)"))
+    assert is_shard_blocks(function(
+        "def wrap(m):\n    mesh = make()\n    for b in m.layers:\n        fully_shard(b, mesh=mesh)\n"
+        "    fully_shard(m, mesh=mesh)\n    return m"))
+    assert not is_shard_blocks(function(  # shards, then trains: 4.2e's step_resharded
+        "def step(r):\n    model = build()\n    for block in model.blocks:\n        fully_shard(block)\n"
+        "    fully_shard(model)\n    model(x).sum().backward()"))
