@@ -26,6 +26,7 @@ from urllib.parse import urlparse
 
 import pytest
 from _browser_page import NotebookPage  # tests/_browser_page.py: the notebook-page helpers
+from _sittings import course_map_minutes, reading_minutes
 
 from dpcourse.pool.kernel.procs import free_port
 
@@ -203,6 +204,11 @@ def test_notebook_runs_in_the_browser(lab, browser, name):
                 nb.screenshot(nb.cell(marker), ARTIFACTS / f"{stem}-{marker.strip('(')}.png")
         assert not record["console"], f"{name}: browser console errors: {record['console']}"
         assert not record["remote"], f"{name}: requests that left 127.0.0.1: {record['remote']}"
+        if name.startswith("4."):  # the course map's time covers reading, the try-its and this run
+            floor = {**reading_minutes(ROOT / "notebooks" / name), "Run All here": ran / 60}
+            assert course_map_minutes(name) >= sum(floor.values()), \
+                f"{name}: the course map says {course_map_minutes(name)} min, but " + \
+                ", ".join(f"{k} {v:.0f}" for k, v in floor.items()) + " minutes add up to more"
         print(f"{name}: opened and ran in {ran:.1f} s; lines of stderr by code cell: {nb.stderr_lines()}")
     except Exception:
         page.screenshot(path=str(ARTIFACTS / f"{Path(name).stem}-failed.png"))

@@ -14,6 +14,7 @@ import types
 from pathlib import Path
 
 import pytest
+from _sittings import course_map_minutes, reading_minutes
 
 import dpcourse as dpc
 
@@ -267,6 +268,16 @@ def test_a_chapter_s_minutes_fit_a_sitting_and_its_first_cell_says_the_course_ma
     said = re.search(r"about (\d+) minutes", first)
     assert said and int(said.group(1)) == max(minutes), \
         f"{path.name}: its first cell says {said and said.group(0)!r}, the course map {max(minutes)} min"
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
+def test_a_chapter_s_minutes_cover_reading_it_and_doing_its_try_its(path):
+    """The course map's minutes are no fewer than reading the prose and the visible code and
+    doing the try-its take (tests/_sittings.py); the browser test adds the time Run All took."""
+    floor = reading_minutes(path)
+    assert course_map_minutes(path.name) >= sum(floor.values()), \
+        f"{path.name}: the course map says {course_map_minutes(path.name)} min, but " + \
+        ", ".join(f"{k} {v:.0f}" for k, v in floor.items()) + " minutes add up to more"
 
 
 def test_a_script_written_by_a_notebook_is_the_packages_script():
