@@ -1,5 +1,8 @@
 """4.2e's try-its: answers written apart from the references (see _tryit_variants.py)."""
 
+_PSGD_REGISTER = "    ddp_model.register_comm_hook(state, default_hooks.fp16_compress_wrapper(powersgd.powerSGD_hook))"
+_ZERO_GROUPS = '[{"params": others}, {"params": head, "lr": 0.005}]'
+
 VARIANTS = {
     "eval_metric": {
         "mistakes": [
@@ -10,8 +13,25 @@ VARIANTS = {
                 ("    dist.all_reduce(counts)\n    return (counts[0] / counts[1]).item()",
                  "    mean = counts[0] / counts[1]\n    dist.all_reduce(mean)\n    return (mean / world).item()")],
              "weigh every sample alike"),
-            ("no all-reduce", [("    dist.all_reduce(counts)\n", "")], "different values"),
+            ("no all-reduce", [("    dist.all_reduce(counts)\n", "")], "each one's own part"),
             ("the whole dataset on every rank", [("sampler=mine", "shuffle=False")], "whole dataset"),
+            ("rank 0 evaluates everything, then broadcasts", [
+                ("range(rank, len(dataset), world)", "range(len(dataset)) if rank == 0 else []"),
+                ("dist.all_reduce(counts)", "dist.broadcast(counts, src=0)")],
+             "rank 0 read all 13 samples and rank 1 none"),
+            ("rank 0 evaluates everything, then all-reduces", [
+                ("range(rank, len(dataset), world)", "range(len(dataset) if rank == 0 else 0)")],
+             "rank 0 read all 13 samples and rank 1 none"),
+            ("each rank reads its strided part twice", [
+                ("        for x, label in DataLoader(dataset, batch_size=4, sampler=mine):",
+                 "        for x, label in [*DataLoader(dataset, batch_size=4, sampler=mine)] * 2:")],
+             "its own part again"),
+            ("integer counts and floor division", [
+                ("counts = torch.zeros(2)", "counts = torch.zeros(2, dtype=torch.long)"),
+                ("(counts[0] / counts[1])", "(counts[0] // counts[1])")],
+             "the fraction formed from them is off"),
+            ("dist.reduce to rank 0", [("dist.all_reduce(counts)", "dist.reduce(counts, dst=0)")],
+             "the counts reached one rank only"),
         ],
         "correct": [
             ("contiguous parts, two all-reduces of int64 counts", [
@@ -24,47 +44,96 @@ VARIANTS = {
                  "            right += hits.sum()\n            seen += len(label)\n"),
                 ("    dist.all_reduce(counts)\n    return (counts[0] / counts[1]).item()",
                  "    dist.all_reduce(right)\n    dist.all_reduce(seen)\n    return right.item() / seen.item()")]),
+            ("contiguous parts from a Sampler subclass, float64 counts", [
+                ("    mine = range(rank, len(dataset), world)           # a strided part, no padding\n",
+                 "    class Block(torch.utils.data.Sampler):\n"
+                 "        def __init__(self, n):\n"
+                 "            cut = [n * r // world for r in range(world + 1)]\n"
+                 "            self.ids = list(range(cut[rank], cut[rank + 1]))\n"
+                 "        def __iter__(self):\n"
+                 "            return iter(self.ids)\n"
+                 "        def __len__(self):\n"
+                 "            return len(self.ids)\n"
+                 "    mine = Block(len(dataset))\n"),
+                ("counts = torch.zeros(2)", "counts = torch.zeros(2, dtype=torch.float64)"),
+                ("batch_size=4", "batch_size=3")]),
         ],
     },
     "zero1": {
         "mistakes": [
             ("plain SGD, replicated state", [
-                ("ZeroRedundancyOptimizer(ddp_model.parameters(), optimizer_class=torch.optim.SGD,\n"
-                 "                                   lr=0.05, momentum=0.9)",
-                 "torch.optim.SGD(ddp_model.parameters(), lr=0.05, momentum=0.9)")],
+                ("ZeroRedundancyOptimizer(" + _ZERO_GROUPS + ",\n"
+                 "                                   optimizer_class=torch.optim.SGD, lr=0.05, momentum=0.9)",
+                 "torch.optim.SGD(" + _ZERO_GROUPS + ", lr=0.05, momentum=0.9)")],
              "replicated"),
-            ("momentum forgotten", [(",\n                                   lr=0.05, momentum=0.9)",
-                                     ", lr=0.05)")], "without momentum"),
+            ("momentum forgotten", [(", lr=0.05, momentum=0.9)", ", lr=0.05)")], "without momentum"),
+            ("one learning rate for all", [(_ZERO_GROUPS, "ddp_model.parameters()")], "one rate for all"),
+            ("the rates swapped", [(_ZERO_GROUPS, '[{"params": head}, {"params": others, "lr": 0.005}]')],
+             "the other way round"),
+            ("the head at the others' rate, the rest at a tenth", [
+                (_ZERO_GROUPS, '[{"params": others, "lr": 0.005}, {"params": head, "lr": 0.05}]'),
+                (", lr=0.05, momentum=0.9)", ", lr=0.01, momentum=0.9)")],
+             "the other way round"),
+            ("Adam instead of SGD", [("optimizer_class=torch.optim.SGD, lr=0.05, momentum=0.9)",
+                                      "optimizer_class=torch.optim.Adam, lr=0.05)")],
+             "Adam keeps two moments"),
+            ("the optimizer over a copy of the model", [
+                ("    head = list(ddp_model.module.head.parameters())\n",
+                 "    module = copy.deepcopy(ddp_model.module)\n    head = list(module.head.parameters())\n"),
+                ("for p in ddp_model.parameters()", "for p in module.parameters()")],
+             "tensors that are not the model's"),
+            ("groups of generators, used up before the optimizer reads them", [
+                ("    head = list(ddp_model.module.head.parameters())\n",
+                 "    head = ddp_model.module.head.parameters()\n"),
+                ("    others = [p for p in ddp_model.parameters() if not any(p is h for h in head)]\n",
+                 "    others = ddp_model.module.blocks.parameters()\n")],
+             "0 of the model's 10"),
         ],
         "correct": [
-            ("the module's parameters, one bucket view per rank", [
-                ("ZeroRedundancyOptimizer(ddp_model.parameters(), optimizer_class=torch.optim.SGD,\n"
-                 "                                   lr=0.05, momentum=0.9)",
-                 "ZeroRedundancyOptimizer(list(ddp_model.module.parameters()), torch.optim.SGD,\n"
-                 "                                   parameters_as_bucket_view=True, momentum=0.9, lr=5e-2)")]),
+            ("groups by name, keywords in another order", [
+                ("    head = list(ddp_model.module.head.parameters())\n"
+                 "    others = [p for p in ddp_model.parameters() if not any(p is h for h in head)]\n",
+                 "    named = list(ddp_model.module.named_parameters())\n"
+                 "    head = [p for n, p in named if n.startswith(\"head.\")]\n"
+                 "    others = [p for n, p in named if not n.startswith(\"head.\")]\n"),
+                ("optimizer_class=torch.optim.SGD, lr=0.05, momentum=0.9)",
+                 "momentum=0.9, lr=5e-2, optimizer_class=torch.optim.SGD)")]),
+            ("groups by module, the head added after, one bucket view per rank", [
+                ("    head = list(ddp_model.module.head.parameters())\n"
+                 "    others = [p for p in ddp_model.parameters() if not any(p is h for h in head)]\n"
+                 "    return ZeroRedundancyOptimizer(" + _ZERO_GROUPS + ",\n"
+                 "                                   optimizer_class=torch.optim.SGD, lr=0.05, momentum=0.9)",
+                 "    model = ddp_model.module\n"
+                 "    optimizer = ZeroRedundancyOptimizer(list(model.blocks.parameters()), torch.optim.SGD,\n"
+                 "                                        parameters_as_bucket_view=True, lr=0.05, momentum=0.9)\n"
+                 "    optimizer.add_param_group({\"params\": list(model.head.parameters()), \"lr\": 0.05 / 10})\n"
+                 "    return optimizer")]),
         ],
     },
     "powersgd": {
         "mistakes": [
             ("rank 1 factors", [("matrix_approximation_rank=2", "matrix_approximation_rank=1")], "How many columns"),
             ("compression from step 2", [("start_powerSGD_iter=3", "start_powerSGD_iter=2")], "warm-up"),
-            ("the hook never registered", [("    ddp_model.register_comm_hook(state, powersgd.powerSGD_hook)", "    state")],
-             "no compression ran"),
-            ("fp16 instead", [("    ddp_model.register_comm_hook(state, powersgd.powerSGD_hook)",
-                               "    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks\n"
-                               "    ddp_model.register_comm_hook(None, default_hooks.fp16_compress_hook)")], "cast"),
+            ("compression from step 4", [("start_powerSGD_iter=3", "start_powerSGD_iter=4")],
+             "compression began a step late"),
+            ("the hook never registered", [(_PSGD_REGISTER, "    state")], "no compression ran"),
+            ("PowerSGD in fp32, no wrapper", [
+                (_PSGD_REGISTER, "    ddp_model.register_comm_hook(state, powersgd.powerSGD_hook)")],
+             "4 bytes a value"),
+            ("fp16 casting only", [
+                (_PSGD_REGISTER, "    ddp_model.register_comm_hook(None, default_hooks.fp16_compress_hook)")], "cast"),
         ],
         "correct": [
-            ("the names imported, the group given, the rate said", [
-                ("from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd",
+            ("the names imported, the wrapped hook registered by keywords", [
+                ("from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook as powersgd",
+                 "from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_wrapper\n"
                  "from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook"),
                 ("    state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=2,\n"
-                 "                                   start_powerSGD_iter=3)\n"
-                 "    ddp_model.register_comm_hook(state, powersgd.powerSGD_hook)",
+                 "                                   start_powerSGD_iter=3)\n" + _PSGD_REGISTER,
                  "    ddp_model.register_comm_hook(\n"
-                 "        PowerSGDState(dist.group.WORLD, matrix_approximation_rank=2, start_powerSGD_iter=3,\n"
-                 "                      min_compression_rate=2, use_error_feedback=True),\n"
-                 "        powerSGD_hook)")]),
+                 "        state=PowerSGDState(dist.group.WORLD, matrix_approximation_rank=2, start_powerSGD_iter=3,\n"
+                 "                            min_compression_rate=2, use_error_feedback=True),\n"
+                 "        hook=fp16_compress_wrapper(hook=powerSGD_hook))")]),
         ],
     },
 }
