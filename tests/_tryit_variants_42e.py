@@ -29,9 +29,18 @@ VARIANTS = {
             ("integer counts and floor division", [
                 ("counts = torch.zeros(2)", "counts = torch.zeros(2, dtype=torch.long)"),
                 ("(counts[0] / counts[1])", "(counts[0] // counts[1])")],
-             "the fraction formed from them is off"),
+             "what does the fraction of the two sums return"),
             ("dist.reduce to rank 0", [("dist.all_reduce(counts)", "dist.reduce(counts, dst=0)")],
              "the counts reached one rank only"),
+            ("a model of its own, not the one handed in", [
+                ("            hits = model(x).argmax(dim=1) == label",
+                 "            hits = own(x).argmax(dim=1) == label"),
+                ("    rank, world = dist.get_rank(), dist.get_world_size()\n",
+                 "    rank, world = dist.get_rank(), dist.get_world_size()\n"
+                 "    own = dpc.models.build_model(\"mlp\", seed=0)\n")],
+             "evaluated another model"),
+            ("the misses counted as hits", [("argmax(dim=1) == label", "argmax(dim=1) != label")],
+             "count as a hit"),
         ],
         "correct": [
             ("contiguous parts, two all-reduces of int64 counts", [
@@ -74,6 +83,11 @@ VARIANTS = {
                 (_ZERO_GROUPS, '[{"params": others, "lr": 0.005}, {"params": head, "lr": 0.05}]'),
                 (", lr=0.05, momentum=0.9)", ", lr=0.01, momentum=0.9)")],
              "the other way round"),
+            ("Nesterov momentum: the first step 1.9 times as long", [
+                (", lr=0.05, momentum=0.9)", ", lr=0.05, momentum=0.9, nesterov=True)")],
+             "1.9 times as far"),
+            ("the head at a fifth of the rate", [(_ZERO_GROUPS, _ZERO_GROUPS.replace("0.005", "0.01"))],
+             "0.2 times the others' rate"),
             ("Adam instead of SGD", [("optimizer_class=torch.optim.SGD, lr=0.05, momentum=0.9)",
                                       "optimizer_class=torch.optim.Adam, lr=0.05)")],
              "Adam keeps two moments"),

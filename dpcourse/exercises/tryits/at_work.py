@@ -75,7 +75,10 @@ def _judge_shared(report: Report, item: str, got: list) -> bool:
     again = {r: sorted(i for i in set(g["seen"]) if g["seen"].count(i) > 1) for r, g in enumerate(got)}
     again = {r: d for r, d in again.items() if d}
     idle = [r for r, g in enumerate(got) if not g["seen"]]
-    if all(set(g["seen"]) >= set(range(N_EVAL)) for g in got):
+    if len(idle) == len(got):
+        report.add(item, False, "the model handed to the function was shown no sample on any rank: the "
+                                "function evaluated another model. Which model does the check ask about?")
+    elif all(set(g["seen"]) >= set(range(N_EVAL)) for g in got):
         report.add(item, False, f"each rank read all {N_EVAL} samples: every rank went through the whole "
                                 "dataset. Which part of it is this rank's?")
     elif again:
@@ -135,9 +138,8 @@ def _judge_value(report: Report, item: str, got: list, skewed: bool) -> None:
                                 "weigh every sample alike?")
     else:
         report.add(item, False, f"the ranks agree on {values[0]:.4f}, though every sample was read once: that is "
-                                "neither the whole dataset's accuracy nor a mean of the ranks' own. The counts "
-                                "came together, the fraction formed from them is off: what does the division "
-                                "of the two sums return?")
+                                "neither the whole dataset's accuracy nor a mean of the ranks' own. What does "
+                                "each rank count as a hit, and what does the fraction of the two sums return?")
 
 
 @try_it("eval_metric", "4.2e", f"an accuracy over {N_EVAL} samples, a part on every rank, each counted once")
@@ -247,7 +249,13 @@ def _rates_said(rates: dict[str, float]) -> str:
         return f"{said}: one rate for all. How does an optimizer give some tensors a rate of their own?"
     if h == [f"{LR:.3g}"] and r == [f"{HEAD_LR:.3g}"]:
         return f"{said}: the two rates the other way round. Which tensors make up the head?"
-    return f"{said}: the head moves at a tenth of the others' rate. Which rate does each group get?"
+    ratio = float(h[0]) / float(r[0])
+    if abs(ratio - HEAD_LR / LR) < 1e-3 * HEAD_LR / LR:
+        scale = float(r[0]) / LR
+        return (f"{said}: the ratio of the rates is right, but every tensor moved {scale:.3g} times as far as "
+                f"its rate says. What else than the rate sets the size of SGD's first step?")
+    return (f"{said}: the head moves at {ratio:.3g} times the others' rate, where the try-it asks for a "
+            "tenth. Which rate does each group get?")
 
 
 def _judge_zero_step(report: Report, item: str, got: list) -> bool:
@@ -437,7 +445,7 @@ def _judge_factored(report: Report, item: str, steps: list[int]) -> None:
     elif all(k[:2] == ("whole", "fp16") for k in kinds):
         report.add(item, False, f"{when} sent the whole gradients in fp16, {later[0]:,} bytes a step, half of "
                                 "fp32's: the values were cast to 2 bytes, not factored. Does PowerSGD run "
-                                "inside the cast, and from which step?")
+                                "inside the cast, from which step, and which matrices does it factor?")
     elif len(set(kinds)) == 1 and kinds[0][0] == "factors":
         _, dtype, rank = kinds[0]
         columns = (f"each n x m matrix went as (n + m) x {rank} values: factors with {rank} column(s). "
