@@ -39,7 +39,7 @@ NOTEBOOKS = sorted(p.name for p in (ROOT / "notebooks").glob("4*.ipynb")) + \
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 LOCAL_HOSTS = {"127.0.0.1", "localhost"}
-FIGURES = ["draw_bucket_sweep(", "plot_memory(", "draw_collectives("]  # figures whose screenshots are kept for a look
+FIGURES = ["draw_bucket_sweep(", "plot_memory(", "draw_collectives(", "broken_barh("]  # figures whose screenshots are kept for a look
 # the interactive widgets each notebook must have, so their checks below can never be skipped
 MOVED = {"4.1a-data-parallelism-in-depth.ipynb": ["Panel("],
          "4.1b-ring-fsdp-and-memory.ipynb": ["RingPlayer(", 'over="player"', "MemoryCalculator("],
