@@ -130,7 +130,7 @@ VARIANTS = {
             ("compression from step 2", [("start_powerSGD_iter=3", "start_powerSGD_iter=2")], "warm-up"),
             ("compression from step 4", [("start_powerSGD_iter=3", "start_powerSGD_iter=4")],
              "compression began a step late"),
-            ("the hook never registered", [(_PSGD_REGISTER, "    state")], "no compression ran"),
+            ("the hook never registered", [(_PSGD_REGISTER, "    state")], "is a hook registered on the model"),
             ("PowerSGD in fp32, no wrapper", [
                 (_PSGD_REGISTER, "    ddp_model.register_comm_hook(state, powersgd.powerSGD_hook)")],
              "4 bytes a value"),

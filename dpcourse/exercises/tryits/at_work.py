@@ -417,6 +417,9 @@ def _judge_warm_up(report: Report, item: str, steps: list[int]) -> None:
     elif factored is not None:
         report.add(item, False, f"step {factored} already sent {_said(early[factored])}: compression began "
                                 f"before the warm-up was over. {WARM_UP_ASKED}")
+    elif all(_sent(b)[:2] == ("whole", "fp32") for b in steps):
+        report.add(item, False, f"every step all-reduced the whole gradients in fp32, {early[0]:,} bytes, as DDP "
+                                "does without a comm hook: is a hook registered on the model?")
     elif all(k[:2] == ("whole", "fp32") for k in kinds):
         report.add(item, False, f"{_steps_named(0, PSGD_START - 1)} all-reduced the whole gradients in fp32: "
                                 f"4 bytes a value, {early[0]:,} bytes a step. {IN_FP16_ASKED}")
