@@ -72,16 +72,16 @@ SLOW_FILES = {
 }
 
 # Under `-n 2 --dist loadfile` a file runs on one worker from start to end: the longest start
-# first, so that none of them is left to run alone at the end (seconds, measured on a 2-core
-# machine running two workers; a file not named here is short and keeps its place).
+# first, so that none of them is left to run alone at the end (seconds, measured with
+# --durations=0 on a 2-core machine running two workers; a file not named here is short and
+# keeps its place).
 LONGEST_FIRST = {
-    "test_browser.py": 900, "test_exercise_f.py": 600, "4.2d-launching-faults-and-pitfalls.ipynb": 500,
-    "test_exercises.py": 480, "test_exercises_bc.py": 430, "4.2a-communication-and-ddp.ipynb": 400,
-    "test_launch.py": 390, "4.2e-ddp-and-fsdp-at-work.ipynb": 380, "test_deadlock.py": 370,
-    "4.2b-fsdp.ipynb": 330, "test_faults.py": 320, "4.2c-large-models.ipynb": 300,
-    "4.1b-ring-fsdp-and-memory.ipynb": 250, "4.1a-data-parallelism-in-depth.ipynb": 200,
-    "test_exercises_de.py": 190, "test_script_isolation.py": 170, "test_start_method.py": 170,
-    "test_scratch_ddp.py": 150, "test_run_script.py": 140, "test_grade.py": 135,
+    "test_browser.py": 340, "test_exercises.py": 180, "test_exercise_f.py": 175, "test_start_method.py": 155,
+    "test_deadlock.py": 140, "test_grade.py": 95, "test_exercises_bc.py": 90, "test_launch.py": 85,
+    "test_faults.py": 80, "4.2d-launching-faults-and-pitfalls.ipynb": 60, "test_exercises_de.py": 50,
+    "test_tryits.py": 50, "test_scripts.py": 50, "test_script_isolation.py": 50, "test_collectives.py": 40,
+    "test_train.py": 40, "test_memory_ranks.py": 40, "test_run_script.py": 35, "4.2b-fsdp.ipynb": 35,
+    "test_scratch_ddp.py": 35, "test_kernel.py": 30,
 }
 
 

@@ -119,9 +119,10 @@ def test_torchrun_standalone_equals_single_process(tmp_path):
 
 def test_two_nodes_with_c10d_rendezvous_repeatedly(tmp_path):
     """Two torchrun agents on 127.0.0.1 as two nodes; without a barrier before
-    destroy_process_group this crashed at exit about one run in four."""
+    destroy_process_group this crashed at exit about one run in four. Three runs in a row
+    (each some 8 s of both cores) would show that crash more often than not."""
     reference = train_single_process(TrainConfig(steps=2, batch_size=4), 2)["losses"]
-    for attempt in range(6):
+    for attempt in range(3):
         env = dict(NNODES="2", NPROC_PER_NODE="1", RDZV_ENDPOINT=f"127.0.0.1:{free_port()}",
                    RDZV_ID=f"test{attempt}")
         out = tmp_path / f"m{attempt}.json"
