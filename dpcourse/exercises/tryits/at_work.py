@@ -9,6 +9,8 @@ after a few steps, the optimizer state each rank holds.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -20,6 +22,14 @@ from .ddp import _all_reduces   # 4.2a's listener: (dtype, bytes) of every all-r
 
 TIMEOUT = 20.0          # seconds for one check's call on the ranks
 RTOL, ATOL = 1e-5, 1e-6
+
+
+@functools.lru_cache(maxsize=None)
+def _mlp() -> tuple[tuple[torch.Size, ...], int]:
+    """The demo MLP's parameter shapes and its bytes (fp32; it has no buffers): what the
+    checkers' formulas count, read once."""
+    shapes = tuple(p.shape for p in models.build_model("mlp").parameters())
+    return shapes, 4 * sum(s.numel() for s in shapes)
 
 # ------------------------------------------------------------------------------ eval_metric
 N_EVAL = 13   # samples: not a multiple of 2, 3 or 4 ranks
@@ -261,9 +271,9 @@ def _rates_said(rates: dict[str, float]) -> str:
 def _judge_zero_step(report: Report, item: str, got: list) -> bool:
     """Item ``item``: the weights after the steps are one process's. True when the optimizer
     steps the model's parameters (the later items are judged then)."""
-    world, tensors = len(got), len(models.build_model("mlp", seed=0).state_dict())
-    stepped = got[0]["stepped"]
-    if all(_close(r["weights"], _one_process(world=world)) for r in got):
+    world, tensors = len(got), len(_mlp()[0])
+    stepped, want = got[0]["stepped"], _one_process(world=len(got))
+    if all(_close(r["weights"], want) for r in got):
         report.add(item, True)
     elif stepped is not None and stepped[0] < tensors:
         kept = _close(got[0]["weights"], models.build_model("mlp", seed=0).state_dict())
@@ -299,8 +309,8 @@ def _judge_zero_step(report: Report, item: str, got: list) -> bool:
 def _judge_zero_shard(report: Report, item: str, got: list) -> None:
     """Item ``item``: each rank holds the optimizer state of its share, the shares one momentum
     buffer per parameter together."""
-    full = sum(v.numel() * v.element_size() for v in models.build_model("mlp", seed=0).state_dict().values())
-    tensors = len(models.build_model("mlp", seed=0).state_dict())
+    shapes, full = _mlp()
+    tensors = len(shapes)
     held, owned = [r["held"] for r in got], [r["owned"] for r in got]
     if sum(owned) == tensors and sum(held) == full and all(h < full for h in held):
         report.add(item, True)
@@ -331,7 +341,7 @@ def check_zero1(report: Report, got: list, step, shard, gather) -> None:
             report.add(name, None, "judged once the optimizer steps the model's parameters")
         return
     _judge_zero_shard(report, shard, got)
-    full = sum(v.numel() * v.element_size() for v in models.build_model("mlp", seed=0).state_dict().values())
+    full = _mlp()[1]
     if all(r["after_step"] > 0 for r in got):
         report.add(gather, True)
     elif all(r["held"] >= full for r in got):
@@ -351,17 +361,17 @@ def powersgd_bytes(rank: int, min_compression_rate: float = 2, width: int = 4) -
     a matrix n x m goes as (n + m) x rank values when (n + m) x rank x min_compression_rate < n x m
     (``powerSGD_hook._should_compress``); vectors and the other matrices go whole."""
     values = 0
-    for p in models.build_model("mlp").parameters():
-        n, m = (p.shape[0], p.shape[1]) if p.dim() == 2 else (p.numel(), 1)
-        compress = p.dim() == 2 and (n + m) * rank * min_compression_rate < n * m
-        values += (n + m) * rank if compress else p.numel()
+    for shape in _mlp()[0]:
+        n, m = (shape[0], shape[1]) if len(shape) == 2 else (shape.numel(), 1)
+        compress = len(shape) == 2 and (n + m) * rank * min_compression_rate < n * m
+        values += (n + m) * rank if compress else shape.numel()
     return width * values
 
 
 def _sent(nbytes: int) -> tuple[str, str, int]:
     """What one step's ``nbytes`` all-reduced are for the MLP: ("whole" | "factors" | "", "fp32" |
     "fp16" | "", the factors' rank or 0)."""
-    values = sum(p.numel() for p in models.build_model("mlp").parameters())
+    values = _mlp()[1] // 4
     for width, dtype in ((4, "fp32"), (2, "fp16")):
         if nbytes == width * values:
             return "whole", dtype, 0
