@@ -259,15 +259,12 @@ def test_every_notebook_is_in_the_readme_course_map_with_its_time():
 
 @pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
 def test_a_chapter_s_minutes_fit_a_sitting_and_its_first_cell_says_the_course_map_s(path):
-    readme = (ROOT / "README.md").read_text()
-    course_map = readme.split("## Course map", 1)[1].split("\n## ", 1)[0]
-    row = next(line for line in course_map.splitlines() if path.name in line)
-    minutes = [int(m) for m in re.findall(r"(\d+)(?:–\d+)? min\b", row)]
-    assert minutes and max(minutes) <= MAX_MINUTES, f"{path.name}: {minutes} minutes in the course map"
+    minutes = course_map_minutes(path.name)
+    assert minutes <= MAX_MINUTES, f"{path.name}: {minutes} minutes in the course map"
     first = "".join(json.loads(path.read_text())["cells"][0]["source"])
     said = re.search(r"about (\d+) minutes", first)
-    assert said and int(said.group(1)) == max(minutes), \
-        f"{path.name}: its first cell says {said and said.group(0)!r}, the course map {max(minutes)} min"
+    assert said and int(said.group(1)) == minutes, \
+        f"{path.name}: its first cell says {said and said.group(0)!r}, the course map {minutes} min"
 
 
 @pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
