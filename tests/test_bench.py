@@ -37,3 +37,20 @@ def test_collectives_benchmark_prints_a_table_bytes_and_the_target():
     plain = re.search(r"ring_all_reduce, the plain ring .*\(no target\): lowest ([\d.]+)x", out)
     assert plain and plain_16[7] == f"{plain.group(1)}x", out
     assert re.search(r"N=2: the size check before each ring call.*: [\d.]+ ms per call", out)
+
+
+def test_verdicts_benchmark_puts_the_pool_beside_torchrun():
+    out = subprocess.run([sys.executable, "-m", "dpcourse.bench", "verdicts", "--world-sizes", "2",
+                          "--start-methods", "fork", "--timeout", "60", "--cases", "raises", "streams"],
+                         capture_output=True, text=True, timeout=220, check=True).stdout
+    rows = {(m.group(1), m.group(2)): m for m in re.finditer(
+        r"^(raises|streams|streams \(run\)) +(pool fork|torchrun) +2 +(.{24}) +([\d.]+) +(.*)$", out, re.M)}
+    assert len(rows) == 5, out
+    raised = rows["raises", "pool fork"]
+    assert raised.group(3).strip() == "RankError" and "ValueError: bad batch at step 3" in raised.group(5)
+    assert rows["raises", "torchrun"].group(3).strip() == "exit 1"
+    for key in (("streams", "pool fork"), ("streams", "torchrun"), ("streams (run)", "pool fork")):
+        assert rows[key].group(5) == "2 different numbers on 2 ranks", out
+    ratio = re.search(r"the pool over torchrun \(same run\): raises fork N=2 ([\d.]+)x", out)
+    assert ratio and float(ratio.group(1)) == pytest.approx(
+        float(raised.group(4)) / float(rows["raises", "torchrun"].group(4)), abs=0.06)
