@@ -35,26 +35,31 @@ _exit = os._exit  # the real one: the pool's ranks rebind os._exit while a scrip
 
 # --- death signals ----------------------------------------------------------------------------
 
-def set_death_signal(expected_parent: int) -> None:
-    """Die with the parent ``expected_parent``: Linux SIGKILLs this process when its parent
-    dies (``PR_SET_PDEATHSIG``); elsewhere a watchdog thread checks the parent every 0.5 s."""
+def set_death_signal(expected_parent: int, signum: int = signal.SIGKILL) -> None:
+    """Die with the parent ``expected_parent``: Linux sends this process ``signum`` when its parent
+    dies (``PR_SET_PDEATHSIG``); elsewhere a watchdog thread checks the parent every 0.5 s and
+    sends it itself. A catchable ``signum`` (SIGTERM) lets the process clean up first."""
     armed = False
     if sys.platform.startswith("linux"):
         import ctypes
 
         PR_SET_PDEATHSIG = 1
-        armed = ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL) == 0
+        armed = ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signum) == 0
     if os.getppid() != expected_parent:  # the parent died before the signal was armed
-        _exit(1)
+        if signum == signal.SIGKILL:
+            _exit(1)
+        os.kill(os.getpid(), signum)
     if not armed:
-        threading.Thread(target=_watch_parent, args=(expected_parent,), name="dpcourse-parent",
+        threading.Thread(target=_watch_parent, args=(expected_parent, signum), name="dpcourse-parent",
                          daemon=True).start()
 
 
-def _watch_parent(parent: int) -> None:
+def _watch_parent(parent: int, signum: int = signal.SIGKILL) -> None:
     while os.getppid() == parent:
         time.sleep(0.5)
-    _exit(1)
+    if signum == signal.SIGKILL:
+        _exit(1)
+    os.kill(os.getpid(), signum)
 
 
 # --- exits ------------------------------------------------------------------------------------
@@ -137,6 +142,35 @@ def _child_pids(pid: int) -> list[int]:
         except OSError:
             pass  # the thread ended meanwhile
     return found
+
+
+# multiprocessing's own helper processes, by the code their interpreter was started with: they
+# serve the process that started them for its whole life, and are not a script's leftovers
+_MULTIPROCESSING_HELPERS = ("from multiprocessing.resource_tracker import main",
+                            "from multiprocessing.forkserver import main")
+
+
+def command_line(pid: int) -> str:
+    """A process's command line, its arguments joined by spaces ('' if it cannot be read)."""
+    try:
+        with open(f"{PROC}/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        pass
+    if os.path.isdir(f"{PROC}/self"):
+        return ""
+    try:
+        return subprocess.run(["ps", "-o", "command=", "-p", str(pid)], capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def is_multiprocessing_helper(pid: int) -> bool:
+    """Whether ``pid`` is a helper ``multiprocessing`` starts for the life of its process (the
+    resource tracker, the forkserver), not a process the learner's code started."""
+    line = command_line(pid)
+    return any(helper in line for helper in _MULTIPROCESSING_HELPERS)
 
 
 def process(pid: int) -> Proc | None:

@@ -26,7 +26,10 @@ almost does).
     DistributedDataParallel                          4.2d's sync_batchnorm     SyncBatchNorm on CPU ranks: its
       ._passing_sync_batchnorm_handle and            try-it                    two refusals of a CPU, lifted
       torch._C._get_privateuse1_backend_name                                   for one call (public: none)
-    torch._C._AutoDispatchBelowAutograd              pool's tracker            call a c10d operator's own kernel
+    torch._C._dispatch_keyset_full_after             pool's tracker            hand a c10d operator on to the
+                                                                               backend's kernel, below its own
+    OpOverload._schema                               pool's tracker            where a c10d operator's async_op
+                                                                               stands among its arguments
     Work._source_rank                                pool's tracker            the sender of an irecv(src=None)
     distributed_c10d._world.pg_map                   pool's process group      every group a call destroyed
                                                                                (public: none lists them)
@@ -43,6 +46,8 @@ almost does).
     cloudpickle.cloudpickle._code_reduce             pool.wire                 a cell's file name in tracebacks
     torch._C._distributed_c10d._dump_fr_trace_json   observe.Comm              the flight recorder's entries, on
                                                      .read_flight_recorder     Gloo (public: none; NCCL dumps its own)
+    threading.Thread._target (Python's)              pool's ranks              whether a thread runs the learner's
+                                                                               code (public: none)
 
 Exercise E's reference solution, which the learner reads as PyTorch code, writes
 ``Variable._execution_engine.queue_callback`` itself, as DDP's own Python code would.
@@ -235,12 +240,22 @@ def functional_collective_functions() -> list[tuple[str, object]]:
 
 # --- the pool ------------------------------------------------------------------------------
 
-def below_autograd():
-    """A context in which a c10d operator runs its own kernel, below the tracker's."""
+def argument_index(op, name: str) -> int | None:
+    """Where an operator's argument ``name`` stands among its positional arguments (None: it has
+    no such argument), from the operator's schema (``OpOverload._schema``)."""
+    schema = _member(op, "_schema", "OpOverload._schema", "the pool's collective tracker")
+    names = [argument.name for argument in schema.arguments]
+    return names.index(name) if name in names else None
+
+
+def keys_below_backend_select():
+    """The dispatch keys below ``BackendSelect``: a c10d operator's own (backend) kernels, which
+    the tracker's kernel, registered there, hands the operator on to (``op.redispatch``)."""
     import torch
 
-    return _member(torch._C, "_AutoDispatchBelowAutograd", "torch._C._AutoDispatchBelowAutograd",
-                   "the pool's collective tracker")()
+    full_after = _member(torch._C, "_dispatch_keyset_full_after", "torch._C._dispatch_keyset_full_after",
+                         "the pool's collective tracker")
+    return full_after(torch._C.DispatchKey.BackendSelect)
 
 
 def boxed_type_name(obj) -> str:
@@ -277,6 +292,12 @@ def process_groups() -> list:
     world = _member(c10d, "_world", "torch.distributed.distributed_c10d._world", "the pool's group keeping")
     return list(_member(world, "pg_map", "torch.distributed.distributed_c10d._world.pg_map",
                         "the pool's group keeping"))
+
+
+def thread_target(thread):
+    """The function a ``threading.Thread`` was given to run (None: none, or it has returned):
+    Python keeps it as ``Thread._target`` and publishes it nowhere."""
+    return getattr(thread, "_target", None)
 
 
 def cloudpickle_code_reduce():

@@ -68,7 +68,7 @@ SLOW_FILES = {
     "test_exercises_de.py", "test_exercise_notebooks.py", "test_launch.py",
     "test_deadlock.py", "test_faults.py", "test_script_isolation.py", "test_start_method.py",
     "test_run_script.py", "test_scratch_ddp.py", "test_kernel.py", "test_at_work.py",
-    "test_notebook_peaks.py", "test_soak.py", "test_scripts.py",
+    "test_notebook_peaks.py", "test_soak.py", "test_scripts.py", "test_script_end.py",
 }
 
 # Under `-n 2 --dist loadfile` a file runs on one worker from start to end: the longest start
@@ -77,7 +77,7 @@ SLOW_FILES = {
 # keeps its place).
 LONGEST_FIRST = {
     "test_browser.py": 340, "test_exercises.py": 180, "test_exercise_f.py": 175, "test_start_method.py": 155,
-    "test_deadlock.py": 140, "test_grade.py": 95, "test_exercises_bc.py": 90, "test_launch.py": 85,
+    "test_deadlock.py": 200, "test_script_end.py": 90, "test_grade.py": 95, "test_exercises_bc.py": 90, "test_launch.py": 85,
     "test_faults.py": 80, "4.2d-launching-faults-and-pitfalls.ipynb": 60, "test_exercises_de.py": 50,
     "test_tryits.py": 50, "test_scripts.py": 50, "test_script_isolation.py": 50, "test_collectives.py": 40,
     "test_train.py": 40, "test_memory_ranks.py": 40, "test_run_script.py": 35, "4.2b-fsdp.ipynb": 35,

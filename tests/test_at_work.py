@@ -152,8 +152,8 @@ def test_the_profiler_and_the_timeline_see_the_same_all_reduces(cluster2, tmp_pa
         backend = [e for e in spans if e["name"] == "gloo:all_reduce"]
         issued = [e for e in spans if e["name"] == "c10d::allreduce_"]
         seen = [e for e in timeline.events(step=-1) if e.rank == rank and e.lane == "comm" and e.kind == "all_reduce"]
-        # DDP issues each bucket's all-reduce once; the c10d operator is recorded twice, nested
-        assert len(backend) == len(seen) == len(issued) // 2 >= 3
+        # DDP issues each bucket's all-reduce once, and the profiler records its c10d operator once
+        assert len(backend) == len(seen) == len(issued) >= 3
 
 
 def closed_form_rate(global_tokens: int, n: int, params: float = 1e9) -> float:

@@ -100,6 +100,45 @@ def test_a_waited_irecv(cluster):
     assert "rank 1 waits in irecv from rank 0 (the 1st irecv of this call), which has returned" in text
 
 
+def irecv_then_an_all_reduce_alone():
+    if dist.get_rank() == 0:
+        buf = torch.zeros(1)
+        dist.irecv(buf, src=1)  # outstanding, never waited: not what the rank waits in
+        dist.all_reduce(torch.ones(1), async_op=True).wait()
+
+
+def test_the_wait_named_is_the_one_waited_in_not_the_oldest_outstanding(cluster):
+    text = str(_deadlock(cluster, irecv_then_an_all_reduce_alone))
+    assert "rank 0 waits in the 1st all_reduce of this call on the default group, which rank 1 has not " \
+           "joined: it has returned from this call" in text
+    assert "irecv" not in text.split("rank 0 waiting")[0]
+
+
+def inference_all_reduce_alone():
+    with torch.inference_mode():
+        t = torch.ones(1)  # an inference tensor: no autograd key
+    if dist.get_rank() == 0:
+        dist.all_reduce(t)
+
+
+def test_a_collective_on_an_inference_tensor_is_seen(cluster):
+    text = str(_deadlock(cluster, inference_all_reduce_alone))
+    assert "rank 0 waits in the 1st all_reduce of this call on the default group" in text
+
+
+def barrier_on_a_subgroup_of_everyone():
+    group = dist.new_group(list(range(dist.get_world_size())))  # the default group's ranks
+    if dist.get_rank() == 0:
+        dist.barrier(group=group)
+
+
+def test_a_subgroup_of_the_default_groups_ranks_is_named_as_a_subgroup(cluster):
+    text = str(_deadlock(cluster, barrier_on_a_subgroup_of_everyone))
+    ranks = list(range(cluster.world_size))
+    assert f"rank 0 waits in the 1st barrier of this call on the group of ranks {ranks}, which" in text
+    assert "default group" not in text
+
+
 # --- controls: these finish, and must not be flagged -------------------------------------------
 def _compute(seconds: float) -> None:
     x, w = torch.randn(64, 64), torch.randn(64, 64) / 8
@@ -148,6 +187,121 @@ def test_a_send_in_one_cell_received_in_the_next(cluster, capfd):
                            "elif rank == 1:\n    req.wait()\nbuf.item()", timeout=60)
     assert got[1] == 6.0
     assert cluster.pids == pids  # nothing was flagged or restarted
+
+
+def irecv_early_then_a_future():
+    """The issue's first false verdict: each posts its irecv early, then waits in a Future that a
+    timer completes (no communication), then sends, then waits for its irecv."""
+    import threading
+
+    rank = dist.get_rank()
+    if rank > 1:
+        return None
+    buf = torch.zeros(1)
+    req = dist.irecv(buf, src=1 - rank)
+    future = torch.futures.Future()
+    threading.Timer(1.5, future.set_result, args=(None,)).start()
+    future.wait()
+    dist.send(torch.full((1,), float(rank)), dst=1 - rank)
+    req.wait()
+    return buf.item()
+
+
+def irecv_early_then_a_waited_all_reduce():
+    """The issue's second: irecv posted early, then an all_reduce(async_op=True).wait() that lasts
+    (the last rank joins late), then the send."""
+    rank, last = dist.get_rank(), dist.get_world_size() - 1
+    buf, req = torch.zeros(1), None
+    if rank < 2:
+        req = dist.irecv(buf, src=1 - rank)
+    if rank == last:
+        _compute(2)
+    dist.all_reduce(torch.ones(1000), async_op=True).wait()
+    if rank < 2:
+        dist.send(torch.full((1,), float(rank)), dst=1 - rank)
+        req.wait()
+    return buf.item()
+
+
+def a_thread_sends_after_its_rank_returned():
+    import threading
+
+    rank = dist.get_rank()
+    if rank == 1:
+        def later():
+            time.sleep(1.5)
+            dist.send(torch.full((1,), 9.0), dst=0)
+
+        threading.Thread(target=later).start()  # the rank returns; its thread sends later
+    elif rank == 0:
+        t = torch.zeros(1)
+        dist.recv(t, src=1)
+        return t.item()
+
+
+def inference_broadcasts():
+    with torch.inference_mode():
+        t = torch.full((1,), 3.0) if dist.get_rank() == 0 else torch.zeros(1)
+    if dist.get_rank() == 0:
+        dist.broadcast(t, src=0)
+    else:
+        dist.broadcast(torch.zeros(1), src=0)  # a plain tensor here: both counted
+
+
+@pytest.mark.parametrize("program, expected", [
+    (irecv_early_then_a_future, [1.0, 0.0]),
+    (irecv_early_then_a_waited_all_reduce, [1.0, 0.0]),
+    (a_thread_sends_after_its_rank_returned, [9.0, None]),
+], ids=["future", "waited-all-reduce", "thread"])
+def test_correct_programs_are_never_called_deadlocked(cluster, program, expected):
+    pids = cluster.pids
+    assert cluster.run(program, timeout=60)[:2] == expected
+    assert cluster.pids == pids  # nothing was flagged or restarted
+
+
+def test_an_inference_tensor_collective_leaves_no_false_imbalance(cluster, capfd):
+    cluster.run(inference_broadcasts)
+    cluster.run(lambda: None)
+    assert "different numbers of collectives" not in capfd.readouterr().err
+
+
+def collectives_on_views_inference_tensors_and_refused_ones():
+    from dpcourse.pool.ranks.tracker import TRACKER
+
+    seen, base = [], torch.ones(4, 4)
+    with torch.inference_mode():
+        made_there = torch.ones(2)
+    with TRACKER.listen(lambda issued: seen.append(issued.collective)):
+        dist.all_reduce(base[1:])       # a view
+        dist.all_reduce(base.t())       # not contiguous
+        dist.all_reduce(made_there)     # an inference tensor
+        try:                            # the wrong output size: Gloo refuses it, nothing is sent
+            dist.all_gather(list(torch.zeros(3, 1).unbind()), torch.ones(2))
+        except RuntimeError:
+            seen.append("refused")
+    return seen
+
+
+def test_every_collective_is_tracked_whatever_its_tensor(cluster, capfd):
+    got = cluster.run(collectives_on_views_inference_tensors_and_refused_ones)
+    assert got == [["all_reduce", "all_reduce", "all_reduce", "refused"]] * cluster.world_size
+    cluster.run(lambda: None)
+    assert "the call returned, but" not in capfd.readouterr().err  # the refused one was not counted
+
+
+def mismatched_tags():
+    if dist.get_rank() == 0:
+        dist.isend(torch.ones(1), dst=1, tag=1).wait()
+    elif dist.get_rank() == 1:
+        dist.recv(torch.zeros(1), src=0, tag=2)
+
+
+def test_what_the_finder_cannot_see_is_said_at_the_timeout(cluster):
+    start = time.monotonic()
+    with pytest.raises(dpc.RankTimeout) as info:
+        cluster.run(mismatched_tags, timeout=8)
+    assert time.monotonic() - start >= 8 and not isinstance(info.value, RankDeadlock)
+    assert "cannot tell send/recv tags apart" in str(info.value)
 
 
 def test_without_the_check_the_timeout_tells_it_with_a_point_to_point_hint(cluster):

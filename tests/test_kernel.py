@@ -166,9 +166,22 @@ def test_ranks_magic_keeps_state_and_streams_progress(kernel):
 
 
 def _cluster_pids(k: Kernel) -> list[int]:
-    _ok(k.execute("import dpcourse as dpc\ncluster = dpc.Cluster(world_size=2)"))
-    pids = k.value("cluster.pids + [cluster.launcher_pid]")
-    assert len(pids) == 3 and wait_gone(pids, 0) == pids  # all running
+    """The ranks, the launcher, and what a %%ranks cell started on each rank: a ``sleep`` by
+    ``subprocess.Popen`` and a daemon in a session of its own (a double fork)."""
+    _ok(k.execute("import dpcourse as dpc\n%load_ext dpcourse\ncluster = dpc.Cluster(world_size=2)"))
+    _ok(k.execute("%%ranks -q -o started\nimport os, subprocess\n"
+                  "sleeper = subprocess.Popen(['sleep', '600'])\n"
+                  "r, w = os.pipe()\n"
+                  "if os.fork() == 0:\n"
+                  "    os.setsid()\n"
+                  "    pid = os.fork()\n"
+                  "    if pid == 0:\n"
+                  "        os.execvp('sleep', ['sleep', '601'])\n"
+                  "    os.write(w, str(pid).encode())\n"
+                  "    os._exit(0)\n"
+                  "[sleeper.pid, int(os.read(r, 32))]"))
+    pids = k.value("cluster.pids + [cluster.launcher_pid] + [p for pair in started for p in pair]")
+    assert len(pids) == 7 and wait_gone(pids, 0) == pids  # all running
     return pids
 
 

@@ -83,7 +83,7 @@ def _buffer_after_forward():
     ddp = DDP(model)  # forward_sync_buffers (formerly broadcast_buffers) defaults to True
     with torch.no_grad():
         model.running_mean.fill_(float(dist.get_rank() + 1))  # the ranks' buffers now differ
-    ddp(torch.randn(4, 3))  # DDP broadcasts rank 0's buffers before this forward
+    ddp(torch.randn(4, 3, generator=torch.Generator().manual_seed(0)))  # rank 0's buffers first, then one batch
     return model.running_mean.clone(), model.num_batches_tracked.item()
 
 

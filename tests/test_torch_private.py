@@ -195,7 +195,8 @@ def _owner(path: str):
      tp.mem_tracker_class),
     ("torch.utils._pytree", "tree_flatten", "torch.utils._pytree.tree_flatten", lambda: tp.tree_flatten([1])),
     ("torch.utils._pytree", "tree_map", "torch.utils._pytree.tree_map", lambda: tp.tree_map(str, [1])),
-    ("torch._C", "_AutoDispatchBelowAutograd", "torch._C._AutoDispatchBelowAutograd", tp.below_autograd),
+    ("torch._C", "_dispatch_keyset_full_after", "torch._C._dispatch_keyset_full_after",
+     tp.keys_below_backend_select),
     ("torch.distributed.distributed_c10d", "_world", "torch.distributed.distributed_c10d._world",
      tp.process_groups),
     ("torch.autograd:Variable", "_execution_engine", "torch.autograd.Variable._execution_engine",
@@ -234,8 +235,8 @@ def test_a_boxed_object_without_its_type_says_so(monkeypatch):
 def test_the_names_work_on_the_tested_release():
     assert torch.__version__.startswith(tp.TESTED)
     assert tp.tree_flatten([torch.ones(1), (2, torch.zeros(2))])[0][1] == 2
-    with tp.below_autograd():
-        pass
+    below = tp.keys_below_backend_select()
+    assert below.has(torch._C.DispatchKey.CPU) and not below.has(torch._C.DispatchKey.BackendSelect)
     t = torch.zeros(3)
     before = tp.tensor_version(t)
     t.add_(1)

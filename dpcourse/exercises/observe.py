@@ -50,10 +50,9 @@ import threading
 import weakref
 
 # DTensor's own collectives (a full_tensor(), the norm of sharded gradients, the gathers of a
-# full state dict) are functional collectives: C++ calls the process group directly, so the
-# c10d operators never see them. Their Python entry points are observed instead (the
-# outermost call only: some call others): issued when called, waited in from entering
-# wait_tensor until it returns.
+# full state dict) are functional collectives: their Python entry points are observed (the
+# outermost call only: some call others), issued when called, waited in from entering
+# wait_tensor until it returns; the c10d operator each one calls inside is not noted again.
 _FUNCTIONAL = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "broadcast")
 
 
@@ -67,6 +66,7 @@ class ScriptRecorder:
         self.lock = threading.Lock()
         self.state = {"passes": 0, "current": 0, "shards": False, "comms": 0, "backwards": 0}
         self.optimizers: weakref.WeakSet = weakref.WeakSet()  # every optimizer built inside
+        self._functional = threading.local()  # .call: a functional collective runs on this thread
         self._log = None
         self._stack: contextlib.ExitStack | None = None
         self._watch = None
@@ -199,8 +199,8 @@ class ScriptRecorder:
         from ..observe.payload import first_tensor, issued_bytes
         from ..pool.ranks.tracker import process_group, when_complete
 
-        if issued.collective in ("send", "recv"):
-            return
+        if issued.collective in ("send", "recv") or getattr(self._functional, "call", False):
+            return  # a functional collective's own c10d call: noted once, as "functional"
         tensor = first_tensor(issued.args[0]) if issued.args else None
         group = next((g for g in map(process_group, issued.args) if g is not None), None)
         size = group.size() if group is not None else dist.get_world_size()
@@ -297,7 +297,7 @@ class ScriptRecorder:
 
         funcol = functional_collectives()
         numbers: dict[int, int] = {}  # id of a result's tensor -> the collective's number
-        inside = threading.local()
+        inside = self._functional
 
         def observed(name: str, fn):
             @functools.wraps(fn)

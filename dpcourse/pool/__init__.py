@@ -13,8 +13,9 @@ where          modules
                ``magic`` (``%%ranks``), ``procs`` (handles on the launcher and a generation)
 ``launcher``   the launcher process: forks or spawns the ranks, kills and reaps them
 ``ranks/``     each rank: ``rank`` (the loop), ``group`` (the pool's process group), ``tracker``
-               (collectives and traffic), ``forwarder`` (fds 1 and 2 to the kernel),
-               ``isolation`` (a script's imports)
+               (collectives, traffic, what the rank waits in), ``forwarder`` (fds 1 and 2 to the
+               kernel), ``isolation`` (a script's imports, the learner's threads), ``fresh`` (a
+               script's process state: folder, settings, random streams, logging, its end)
 top level      every process: ``wire`` (every message, one class each, and how they are
                pickled), ``errors``, ``reaper`` (what the ranks' scripts leave running)
 =============  ==================================================================================

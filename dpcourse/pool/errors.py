@@ -59,6 +59,17 @@ class RankReport:
         return head
 
 
+# What a backend says on a rank whose peer went away (its process ended, or its group was torn
+# down): a consequence of another rank's failure, not a cause of its own.
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+              "NCCL communicator was aborted", "ncclRemoteError")
+
+
+def lost_a_peer(report: RankReport) -> bool:
+    """Whether a rank failed only because a peer did (its backend's words for a vanished peer)."""
+    return report.state == "raised" and any(words in report.summary for words in _PEER_LOST)
+
+
 def _format(title: str, reports: list[RankReport], note: str) -> str:
     lines = [title]
     lines += [r.describe() for r in reports]
@@ -70,13 +81,21 @@ def _format(title: str, reports: list[RankReport], note: str) -> str:
 class RankError(ClusterError):
     """One or more ranks raised an exception or died; ``failures`` maps rank -> RankReport."""
 
-    def __init__(self, reports: list[RankReport], restarted: bool, in_flight: list[str] = ()):
+    def __init__(self, reports: list[RankReport], restarted: bool, in_flight: list[str] = (),
+                 first: int | None = None):
         self.reports = {r.rank: r for r in reports}
         self.failures = {r.rank: r for r in reports if r.state in ("raised", "exited", "died")}
         self.restarted = restarted
         self.in_flight = list(in_flight)  # what the call left in flight, one line each
         bad = sorted(self.failures)
         title = f"{len(bad)} of {len(reports)} rank(s) failed: {', '.join(map(str, bad))}"
+        echoes = [r for r in bad if lost_a_peer(self.failures[r])]
+        causes = sorted(set(bad) - set(echoes), key=lambda r: (r != first, r))  # the first report first
+        if causes and echoes:  # the cause first; the others only lost the rank that failed
+            bad = causes + echoes
+            title += (f" (rank{'s' if len(echoes) > 1 else ''} {', '.join(map(str, echoes))} only "
+                      f"lost {'a peer' if len(causes) > 1 else f'rank {causes[0]}'}: "
+                      f"the connection to it closed when it failed)")
         if self.in_flight:
             note = ("No rank was left running, but the call left messages or collectives in flight ("
                     + "; ".join(self.in_flight) + "), which the next call would meet. So the ranks "
@@ -101,7 +120,7 @@ class RankDied(RankError):
 class RankTimeout(ClusterError):
     """Ranks did not finish within ``timeout``; ``reports`` says where each one was."""
 
-    def __init__(self, reports: list[RankReport], timeout: float):
+    def __init__(self, reports: list[RankReport], timeout: float, undecided: str = ""):
         self.reports = {r.rank: r for r in reports}
         self.timeout = timeout
         summary = "; ".join(r.describe(with_trace=False) for r in reports)
@@ -115,6 +134,8 @@ class RankTimeout(ClusterError):
             hint = ("No rank is waiting in a collective: a rank ran longer than the timeout (pass a\n"
                     "larger timeout=...), waited for something else, or was blocked in C++ code\n"
                     "that holds the GIL (a rank that did not answer).")
+        if undecided:  # why the deadlock finder told nothing sooner
+            hint += "\n" + undecided
         note = hint + "\nThe ranks were restarted (variables kept on ranks are gone); the cluster is ready."
         super().__init__(_format(title, stuck, note))
 

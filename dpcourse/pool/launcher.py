@@ -13,8 +13,10 @@ The launcher imports torch once, never runs an op or touches CUDA, and forks ran
 request in ~0.1 s. It is the ranks' parent, so only it can kill and reap them by PID
 without any risk of hitting a reused PID.
 
-It dies with the kernel (death signal + end-of-file on its socket) and kills its ranks
-first; the ranks also carry a death signal, so nothing outlives the kernel.
+It dies with the kernel (death signal + end-of-file on its socket) and kills its ranks, with
+whatever they started, first: its death signal is SIGTERM, which it catches to clean up, so
+even a kernel killed with ``kill -9`` leaves nothing behind. The ranks also carry a death
+signal, so nothing outlives the kernel.
 """
 from __future__ import annotations
 
@@ -27,24 +29,39 @@ from multiprocessing.connection import Connection, wait
 from . import reaper, wire
 
 
-def _fork_rank(spec: dict, rank: int, fds: list[int], inherited: list[int], launcher_pid: int) -> int:
+def _output_pipes() -> tuple[tuple[int, int], tuple[int, int]]:
+    """Pipes for a rank's fds 1 and 2: (read ends, write ends). The launcher keeps the read ends
+    as well as the rank: what the rank wrote just before it died is read out here (see reap)."""
+    out, err = os.pipe(), os.pipe()
+    return (out[0], err[0]), (out[1], err[1])
+
+
+def _fork_rank(spec: dict, rank: int, fds: list[int], inherited: list[int], launcher_pid: int,
+               pipes: tuple) -> int:
+    reads, writes = pipes
     pid = os.fork()
     if pid:
         try:
             os.setpgid(pid, pid)  # the rank leads a process group (both sides set it: no race)
         except OSError:
             pass
+        for fd in writes:
+            os.close(fd)
         return pid
     reaper.own_group()
-    # Child: keep only this rank's two sockets; drop the launcher's own descriptors so
-    # that only the launcher holds its socket to the kernel.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher's handler (_leave) is not the rank's
+    # Child: keep only this rank's two sockets and output pipes; drop the launcher's own
+    # descriptors so that only the launcher holds its socket to the kernel.
     mine = fds[2 * rank: 2 * rank + 2]
     for fd in fds + inherited:
         if fd not in mine:
             os.close(fd)
+    for fd, target in zip(writes, (1, 2)):
+        os.dup2(fd, target)
+        os.close(fd)
     from .ranks import rank as rank_module
 
-    rank_module.main(spec, rank, mine[0], mine[1], launcher_pid)
+    rank_module.main(spec, rank, mine[0], mine[1], launcher_pid, reads)
     os._exit(5)  # not reached
 
 
@@ -89,24 +106,27 @@ def _boot_code(spare: bool) -> str:
         "spawned_main()"])
 
 
-def _spawn_rank(rank: int, fds: list[int], launcher_pid: int, spare: bool):
+def _spawn_rank(rank: int, fds: list[int], launcher_pid: int, spare: bool, pipes: tuple):
     """A fresh interpreter for ``rank``; returns its Popen and the launcher's end of the socket
     on its stdin, over which it is told when to import torch and, later, its spec (see
-    ``rank.spawned_main``)."""
+    ``rank.spawned_main``). It writes into its output ``pipes`` once it serves."""
     import subprocess
 
     mine = fds[2 * rank: 2 * rank + 2]
+    reads, writes = pipes
     ours, theirs = socket.socketpair()
     try:
         popen = subprocess.Popen([sys.executable, "-c", _boot_code(spare), str(rank), *map(str, mine),
-                                  str(launcher_pid)],
-                                 pass_fds=mine, stdin=theirs.fileno(), close_fds=True,
+                                  str(launcher_pid), *map(str, reads), *map(str, writes)],
+                                 pass_fds=[*mine, *reads, *writes], stdin=theirs.fileno(), close_fds=True,
                                  **_OWN_GROUP)  # each rank leads a process group of its own (see reaper)
     except BaseException:
         ours.close()
         raise
     finally:
         theirs.close()
+        for fd in writes:
+            os.close(fd)
     return popen, Connection(ours.detach())
 
 
@@ -141,11 +161,13 @@ class Launcher:
         self.told: set[int] = set()  # spawned ranks told to import (or sent their spec)
         self.activated: set[int] = set()  # spawned ranks sent their spec
         self.queue: list[list[int]] = []  # spawned generations, oldest first, while importing
+        self.outputs: dict[int, tuple[int, int]] = {}  # pid -> read ends of its fds 1 and 2
         self.subreaper = reaper.set_subreaper()  # what the ranks leave becomes ours (Linux)
 
-    def reap(self) -> list[tuple[int, int, int]]:
-        """Collect exited children; return (pid, wait status, peak resident bytes) for each rank.
-        Processes adopted as the ranks' subreaper (see ``reaper``) are reaped without a report."""
+    def reap(self) -> list[tuple]:
+        """Collect exited children; return (pid, wait status, peak resident bytes, what it wrote to
+        fds 1 and 2 that its output thread had not sent) for each rank. Processes adopted as the
+        ranks' subreaper (see ``reaper``) are reaped without a report."""
         gone = []
         while True:
             try:
@@ -155,14 +177,32 @@ class Launcher:
             if not pid:
                 break
             if pid in self.children:
+                words = self._last_words(pid)
                 self._forget(pid, status)
-                gone.append((pid, status, _peak_bytes(usage)))
+                gone.append((pid, status, _peak_bytes(usage), *words))
         return gone
+
+    def _last_words(self, pid: int) -> tuple[str, str]:
+        """What the rank wrote to fds 1 and 2 that is still in their pipes (its output thread died
+        with it before sending it): the C++ runtime's last lines before an abort, say."""
+        words = []
+        for fd in self.outputs.get(pid, ()):
+            chunks = []
+            try:
+                os.set_blocking(fd, False)
+                while data := os.read(fd, 65536):
+                    chunks.append(data)
+            except OSError:  # nothing more now (BlockingIOError), or gone
+                pass
+            words.append(b"".join(chunks).decode(errors="replace"))
+        return tuple(words) if words else ("", "")
 
     def _forget(self, pid: int, status: int) -> None:
         fd = self.children.pop(pid)
         if fd >= 0:
             os.close(fd)
+        for out in self.outputs.pop(pid, ()):
+            os.close(out)
         popen = self.spawned.pop(pid, None)
         if popen is not None:  # reaped by PID here: tell the Popen, so it never waits itself
             popen.returncode = os.waitstatus_to_exitcode(status) if status else 0
@@ -220,12 +260,13 @@ class Launcher:
         for pid in pids:
             _, status, usage = os.wait4(pid, 0)
             self._forget(pid, status)
-            gone.append((pid, status, _peak_bytes(usage)))
+            gone.append((pid, status, _peak_bytes(usage), "", ""))  # stopped by the pool: nothing to add
         return gone, self.sweep(grace_s=0.2, owner=owner)
 
     def sweep(self, grace_s: float = reaper.GRACE_S, owner: dict | None = None) -> list:
         """Stop the processes the ranks left (adopted by this subreaper, or listed in ``owner``):
-        (pid, the rank's pid or the process group, name) of each."""
+        (pid, the rank's pid or the process group, name) of each that the learner's code started
+        (``multiprocessing``'s own helpers are stopped without a word: they were the rank's)."""
         try:
             owner = owner or {}
             names = {}
@@ -238,9 +279,10 @@ class Launcher:
                     left[pid], names[pid] = rank, proc.name
             if not left:
                 return []
+            helpers = {pid for pid in left if reaper.is_multiprocessing_helper(pid)}
             reaper.stop(sorted(left), grace_s)
             self.reap()
-            return [(pid, owner.get(pid, left[pid]), names[pid]) for pid in sorted(left)]
+            return [(pid, owner.get(pid, left[pid]), names[pid]) for pid in sorted(left) if pid not in helpers]
         except Exception:  # noqa: BLE001 -- never let the cleanup take the launcher down
             return []
 
@@ -266,8 +308,9 @@ class Launcher:
     def _spawn(self, spec: dict, spare: bool) -> None:
         """Start a generation of ranks on the sockets that follow the request; answer ``Spawned``."""
         _, fds, _, _ = socket.recv_fds(self.sock, 16, 2 * spec["world_size"])
+        pipes = [_output_pipes() for _ in range(spec["world_size"])]
         if self.start_method == "spawn":  # spares: they wait for "activate" and a spec
-            started = [_spawn_rank(r, fds, os.getpid(), spare) for r in range(spec["world_size"])]
+            started = [_spawn_rank(r, fds, os.getpid(), spare, pipes[r]) for r in range(spec["world_size"])]
             pids = [popen.pid for popen, _ in started]
             self.spawned.update((popen.pid, popen) for popen, _ in started)
             self.spares.update((popen.pid, conn) for popen, conn in started)
@@ -277,11 +320,17 @@ class Launcher:
         else:
             inherited = [self.sock.fileno(), self.conn.fileno()]
             inherited += [fd for fd in self.children.values() if fd >= 0]
-            pids = [_fork_rank(spec, r, fds, inherited, os.getpid()) for r in range(spec["world_size"])]
+            inherited += [fd for reads in self.outputs.values() for fd in reads]
+            pids = []
+            for r in range(spec["world_size"]):  # a rank closes the other ranks' pipes it inherits
+                others = [fd for i, (reads, writes) in enumerate(pipes) if i != r for fd in (*reads, *writes)
+                          if i > r or fd in reads]
+                pids.append(_fork_rank(spec, r, fds, inherited + others, os.getpid(), pipes[r]))
         for fd in fds:
             os.close(fd)
-        for pid in pids:
+        for pid, (reads, _) in zip(pids, pipes):
             self.children[pid] = os.pidfd_open(pid) if hasattr(os, "pidfd_open") else -1
+            self.outputs[pid] = reads
         self.importing.update(pids if self.start_method == "spawn" else ())
         self.conn.send(wire.Spawned(pids=pids))
         self._next_import()
@@ -321,7 +370,15 @@ class Launcher:
         except (EOFError, OSError):
             pass  # the kernel is gone
         finally:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the kernel's death may say so twice
             self.kill(list(self.children))
+
+
+def _leave(signum, frame) -> None:
+    """SIGTERM: the kernel is gone (or someone asks the launcher to end): unwind ``serve``, whose
+    cleanup no second signal interrupts."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise SystemExit(0)
 
 
 def main() -> None:
@@ -330,10 +387,11 @@ def main() -> None:
     # Ctrl-C in a terminal or the notebook's stop button must reach the ranks only
     # through the pool (which decides what to interrupt), never directly.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _leave)  # the kernel died: serve() kills the ranks and what they started
     if arm_death_signal:
         from ..processes import set_death_signal
 
-        set_death_signal(kernel_pid)
+        set_death_signal(kernel_pid, signal.SIGTERM)
     sock = socket.socket(fileno=fd)
     if start_method == "fork":
         # Preload what every rank needs, once: this is what makes restarts cheap.

@@ -21,7 +21,7 @@ import sys
 
 # The process table, trees and stop() live in the package's process toolbox; the launcher
 # reads tree, process, stop and GRACE_S through this module.
-from ..processes import GRACE_S, children, process, process_table, stop, tree  # noqa: F401
+from ..processes import GRACE_S, children, is_multiprocessing_helper, process, process_table, stop, tree  # noqa: F401
 
 
 def set_subreaper() -> bool:
@@ -48,7 +48,8 @@ def own_group() -> None:
 def stop_descendants() -> list[tuple[int, str]]:
     """Stop what this process started that still runs: its descendants, and where no subreaper
     adopts what they leave (not Linux) its process group's other members. Returns (pid, name)
-    of each process stopped."""
+    of each process stopped. ``multiprocessing``'s own helpers (its resource tracker, its
+    forkserver) serve the rank for its life, as they would a process: they are left alone."""
     me = os.getpid()
     left = tree(me)
     if not sys.platform.startswith("linux") and os.getpgid(0) == me:
@@ -56,6 +57,7 @@ def stop_descendants() -> list[tuple[int, str]]:
         for p in table.values():
             if p.pgid == me and p.pid != me and not p.zombie:
                 left[p.pid] = p
+    left = {pid: p for pid, p in left.items() if not is_multiprocessing_helper(pid)}
     if not left:
         return []
     found = sorted(left)

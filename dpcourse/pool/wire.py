@@ -7,7 +7,8 @@ The messages in the order they go, kernel K, launcher L, rank R (task socket unl
     R -> K  Imported (spawned only), then Ready or InitError
     K -> R  Task: RunFunction, RunCell, RunScript or Reinit, pickled in its body
     R -> K  (control socket, while it runs) Output; Status or Waiting when asked (AskStatus,
-            AskWait on the control socket)
+            AskWait on the control socket); ScriptEnded once a script has ended, before the
+            rank joins the pool's group again
     R -> K  a Reply: Finished, Exited, Raised or Interrupted, each ending with After
     K -> L  Signal, Kill (-> Killed), Sweep (-> Swept), Exit
 
@@ -50,6 +51,8 @@ class Task:
     run_id: int
     sources: dict
     body: bytes
+    cwd: str = ""  # the kernel's working folder now: the ranks follow it (a ``%cd`` is seen)
+    env: dict | None = None  # the kernel's environment, when it changed since the last task
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,7 @@ class RunScript:
     port: int
     reinit_port: int
     observers: list
+    env: dict = None  # the environment a process started from the kernel now would have
 
 
 @dataclass(frozen=True)
@@ -119,6 +123,39 @@ class Imported(NamedTuple):
 
 
 @dataclass(frozen=True)
+class Group:
+    """A process group as the tracker names it in traffic and waits: its ``ranks`` (global),
+    ``default``: whether it is the default group (``dist.group.WORLD``), and ``name``: its
+    ``group_name``, so that a subgroup of the same ranks as the default group is another group."""
+
+    ranks: tuple
+    default: bool
+    name: str
+
+    def describe(self) -> str:
+        """'the default group' or 'the group of ranks [0, 1]'."""
+        return "the default group" if self.default else f"the group of ranks {list(self.ranks)}"
+
+
+@dataclass(frozen=True)
+class Wait:
+    """What a rank's main thread is blocked in, as the tracker recorded it (never inferred):
+    inside a blocking ``send``/``recv`` or collective, or in ``wait()`` on the ``Work`` of one it
+    issued. ``kind``: "collective", "send" or "recv"; ``name``: its ``torch.distributed`` name
+    ("all_reduce", "irecv"); ``number``: the n-th call of that name in this call; ``group``: a
+    ``Group``; ``peer``: the other rank of a send or recv (global; None: a receive from any rank);
+    ``seq``: its place in this call among the collectives on ``group`` (a collective), the sends
+    to ``peer`` there (a send) or the receives from ``peer`` there (a receive), from 1."""
+
+    kind: str
+    name: str
+    number: int
+    group: Group
+    peer: int | None
+    seq: int
+
+
+@dataclass(frozen=True)
 class After:
     """What every reply ends with: the state a call left behind on the rank.
 
@@ -126,11 +163,14 @@ class After:
     it). ``traffic``: the call's messages and collectives (``CollectiveTracker.traffic()``;
     None if this torch cannot say), from which the kernel finds what is still in flight.
     ``left``: (pid, name) of the processes a script left running, which the rank stopped.
+    ``threads``: names of the learner's threads still running on the rank (they may still
+    communicate, so the rank's having returned decides nothing).
     """
 
     intact: bool
     traffic: dict | None
     left: list
+    threads: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -205,12 +245,26 @@ class Status:
 @dataclass(frozen=True)
 class Waiting:
     """rank -> kernel, control socket: the answer to ``AskWait`` (see ``deadlock``). ``wait``: the
-    communication the main thread is blocked in (``CollectiveTracker.waiting()``), None when it
-    is not blocked in one; ``traffic``: the call's traffic so far."""
+    communication the main thread is blocked in (a ``Wait``), None when the rank's state decides
+    nothing, and then ``why`` says so in a few words ("computing or waiting elsewhere", "runs
+    threads of its own: ..."); ``traffic``: the call's traffic so far, every group it used
+    counted (also one a script destroyed)."""
 
     running: bool
-    wait: dict | None
+    wait: Wait | None
+    why: str
     traffic: dict
+
+
+@dataclass(frozen=True)
+class ScriptEnded:
+    """rank -> kernel, control socket: the script of task ``run_id`` has ended, as ``reply`` says
+    (``Finished`` with 0, ``Exited`` or ``Raised``; its ``after.traffic`` counts the script's
+    groups too). Sent before the rank joins the pool's group again, which waits for every rank:
+    the kernel learns at once that a script failed, or that a rank will issue nothing more."""
+
+    run_id: int
+    reply: Reply
 
 
 # The launcher's channel. Named tuples whose first item is their kind (``to_launcher`` types a
@@ -277,7 +331,8 @@ class Spawned(NamedTuple):
 
 
 class Exits(NamedTuple):
-    """launcher -> kernel, whenever ranks end: (pid, wait status, peak resident bytes) of each."""
+    """launcher -> kernel, whenever ranks end: (pid, wait status, peak resident bytes, stdout, stderr)
+    of each, the last two what it wrote that its output thread had not sent before it died."""
 
     kind: str = "exited"
     exits: list = ()

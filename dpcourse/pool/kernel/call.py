@@ -21,6 +21,7 @@ from ..reaper import describe
 from .traffic import add_traffic, in_flight
 
 ERROR_GRACE_S = 0.25  # after the first failure, how long other ranks may take to report theirs
+REJOIN_S = 30.0  # after a script failed on every rank still in the call: how long they may take to rejoin
 INTERRUPT_GRACE_S = 1.0  # after the stop button, how long ranks may take to unwind
 
 
@@ -56,10 +57,15 @@ class Call:
         self.outcome = Outcome([None] * n, [None] * n, carried=carried)
         self.reports = self.outcome.reports
         self.traffic: dict[int, dict] = {}  # rank -> the call's messages and collectives
+        self.threads: dict[int, tuple] = {}  # rank -> the learner's threads still running when it replied
+        self.ended: dict[int, wire.Reply] = {}  # rank -> how its script ended, while it rejoins the pool's group
         self.first_failure: float | None = None
+        self.first_failed: int | None = None  # the rank whose failure came first
         self.left: dict[int, list] = {}  # rank -> (pid, name) its script left running, now stopped
         self._last_verdict = None  # the deadlock check's last verdict (see _judge)
         self._asked = False  # a probe is out, not yet judged
+        link.waits.clear()
+        link.ended.clear()
 
     def run(self, message: bytes) -> Outcome:
         """Send ``message`` (a pickled ``wire.Task``) to every rank; how the call ended."""
@@ -82,8 +88,10 @@ class Call:
         self.start, next_probe = start, start + deadlock.PROBE_S
         while self.pending:
             now = time.monotonic()
+            self._note_ended()
             if self.first_failure is not None and now - self.first_failure > ERROR_GRACE_S:
-                break
+                if not self.pending <= set(self.ended) or now - self.first_failure > REJOIN_S:
+                    break  # a rank is still inside the call: stopped, as torchrun stops the others
             if self.timeout is not None and now - start > self.timeout:
                 return self._fail(RankTimeout)
             if self.first_failure is None and self.find_deadlocks:
@@ -105,13 +113,23 @@ class Call:
                 "cluster.restart() drops it.")
         return None
 
+    def _note_ended(self) -> None:
+        """A rank's script has ended (``wire.ScriptEnded``): it issues nothing more in the call, and
+        a failure counts from now, not from its reply, which waits until every rank rejoins."""
+        for rank, reply in list(self.link.ended.items()):
+            if rank in self.pending and rank not in self.ended:
+                self.ended[rank] = reply
+                self.reports[rank] = self._report(rank, reply, rejoining=True)
+                if self.reports[rank].state != "finished" and self.first_failure is None:
+                    self.first_failure, self.first_failed = time.monotonic(), rank
+
     def _receive(self, wait_s: float) -> None:
         """Wait up to ``wait_s`` seconds for replies; note each one's report."""
         for rank, reply in self.link.poll(self.gen, self.pending, wait_s):
             self.pending.discard(rank)
             self.reports[rank] = self._report(rank, reply)
             if self.reports[rank].state != "finished" and self.first_failure is None:
-                self.first_failure = time.monotonic()
+                self.first_failure, self.first_failed = time.monotonic(), rank
 
     def _judge(self) -> None:
         """The deadlock check (see ``deadlock``): once every running rank answered the last
@@ -119,22 +137,22 @@ class Call:
         on two probes in a row, with no progress between)."""
         if not self._asked:
             return
-        answers = {r: self.link.waits.get(r) for r in self.pending}
-        finished = {r for r, rep in self.reports.items() if rep.state in ("finished", "exited")}
+        inside = self.pending - set(self.ended)
+        answers = {r: self.link.waits.get(r) for r in inside}
         if any(a is None for a in answers.values()):
             return  # not all in yet
         self._asked = False
-        if not all(a.running for a in answers.values()) or \
-                any(self.traffic.get(r) is None for r in finished):
+        finished = {r for r, rep in self.reports.items() if rep.state in ("finished", "exited")}
+        if not all(a.running for a in answers.values()) or any(self.traffic.get(r) is None for r in finished):
             self._last_verdict = None
             return
-        this_call = {**{r: self.traffic[r] for r in finished},
-                     **{r: a.traffic for r, a in answers.items()}}
-        found = deadlock.verdict({r: a.wait for r, a in answers.items()}, finished,
-                                 add_traffic(self.outcome.carried, this_call), self.world_size)
-        seen = repr(sorted(answers.items())) if found else None
+        busy = {r for r in finished if self.threads.get(r)}  # its threads may still communicate
+        waits = {**{r: None for r in busy}, **{r: a.wait for r, a in answers.items()}}
+        this_call = {**{r: self.traffic[r] for r in finished}, **{r: a.traffic for r, a in answers.items()}}
+        found = deadlock.verdict(waits, finished - busy, self.outcome.carried, this_call)
+        seen = repr((sorted(answers.items()), sorted(finished))) if found else None
         if found and seen == self._last_verdict:
-            self._deadlock(*found)
+            self._deadlock(found)
         self._last_verdict = seen
 
     def _ask(self) -> None:
@@ -151,12 +169,12 @@ class Call:
             except OSError:
                 pass
 
-    def _deadlock(self, lines: list[str], kinds: set[str]) -> None:
+    def _deadlock(self, found: deadlock.Verdict) -> None:
         waited = time.monotonic() - self.start
         self.reports.update(self._stuck_reports(0.5))
         self.outcome.restart = True
         ordered = [self.reports[r] for r in sorted(self.reports)]
-        self.outcome.error = RankDeadlock(ordered, waited, self.timeout, lines, wait_hint(kinds))
+        self.outcome.error = RankDeadlock(ordered, waited, self.timeout, found.lines, wait_hint(set(found.kinds)))
 
     def _left_in_flight(self) -> list[str]:
         """Messages or collectives still in flight once every rank has replied, counted over
@@ -168,13 +186,15 @@ class Call:
         self.outcome.carried = total if left else {}
         return left
 
-    def _report(self, rank: int, reply: wire.Reply | None) -> RankReport:
-        """What a rank's reply (None: the rank died) says; notes a destroyed process group."""
+    def _report(self, rank: int, reply: wire.Reply | None, rejoining: bool = False) -> RankReport:
+        """What a rank's reply (None: the rank died) says; notes a destroyed process group.
+        ``rejoining``: how its script ended, told before it joins the pool's group again."""
         if reply is None:
-            return RankReport(rank, "died", self.link.exit_text(self.gen, rank),
-                              self.link.crash_log(self.gen, rank))
+            how = self.link.exit_text(self.gen, rank)
+            self.link.last_words(self.gen, rank)
+            return RankReport(rank, "died", how, self.link.crash_log(self.gen, rank))
         self._note_after(rank, reply.after)
-        if not reply.after.intact:  # the pool's process group was destroyed
+        if not reply.after.intact and not rejoining:  # the pool's process group was destroyed
             self.outcome.group_lost.add(rank)
         if isinstance(reply, wire.Finished):
             self.outcome.results[rank], self.outcome.observed[rank] = reply.value, reply.observed
@@ -189,12 +209,14 @@ class Call:
     def _note_after(self, rank: int, after: wire.After) -> None:
         """Keep what a reply says the call left behind: its traffic, a script's processes."""
         self.traffic[rank] = after.traffic
+        self.threads[rank] = after.threads
         if after.left:
             self.left[rank] = after.left
 
     def _stuck_reports(self, wait_s: float) -> dict[int, RankReport]:
-        """Ask still-running ranks where they are (stack + collective in progress)."""
-        gen, pending = self.gen, self.pending
+        """Ask the ranks still inside the call where they are (stack + collective in progress);
+        one whose script has ended keeps its report of how."""
+        gen, pending = self.gen, self.pending - set(self.ended)
         self._tell(pending, wire.AskStatus())
         found, deadline = {}, time.monotonic() + wait_s
         while len(found) < len(pending) and time.monotonic() < deadline:
@@ -216,14 +238,24 @@ class Call:
         self.outcome.restart = restarted or bool(left)
         ordered = [self.reports[r] for r in sorted(self.reports)]
         if error is RankTimeout:
-            self.outcome.error = RankTimeout(ordered, self.timeout)
+            self.outcome.error = RankTimeout(ordered, self.timeout, self._undecided())
             return
         for r in ordered:
             if r.state == "running":
                 r.summary = f"was stopped while {r.summary}" if r.summary.startswith("waiting") else \
                     "was stopped while running"
                 r.traceback = ""
-        self.outcome.error = error(ordered, restarted or bool(left), left)
+        self.outcome.error = error(ordered, restarted or bool(left), left, self.first_failed)
+
+    def _undecided(self) -> str:
+        """For a timeout: why the deadlock finder decided nothing, each rank's reason in its words."""
+        if not self.find_deadlocks:
+            return ""
+        whys = [f"rank {r} {a.why}" for r, a in sorted(self.link.waits.items())
+                if r in self.pending and a.wait is None and a.why]
+        whys += [f"rank {r} returned, but its threads {', '.join(map(repr, self.threads[r]))} still run"
+                 for r in sorted(self.threads) if self.threads[r] and r not in self.pending]
+        return deadlock.UNSEEN + ("" if not whys else " Here: " + "; ".join(whys) + ".")
 
     def _on_interrupt(self) -> str:
         """The stop button: interrupt the ranks' Python code; restart any that do not return.

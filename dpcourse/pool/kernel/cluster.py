@@ -33,6 +33,7 @@ from .link import RankLink
 from .printer import RankPrinter
 from ...processes import free_ports
 from .procs import Generation, LauncherProcess, MemoryWatch, check_port, readable
+from .traffic import in_flight
 
 _DEFAULT = object()
 _current: weakref.ref | None = None
@@ -42,6 +43,14 @@ def current_cluster() -> "Cluster | None":
     """The most recently started cluster that is still open (used by %%ranks)."""
     cluster = _current() if _current else None
     return cluster if cluster is not None and not cluster.closed else None
+
+
+def _kernel_cwd() -> str:
+    """The kernel's working folder ('' when it was deleted: the ranks stay where they are)."""
+    try:
+        return os.getcwd()
+    except OSError:
+        return ""
 
 
 def _close(launcher: LauncherProcess, crash_dir: str) -> None:
@@ -99,11 +108,16 @@ class Cluster:
     def __init__(self, world_size: int = 2, backend: str = "auto", *, timeout: float | None = 300.0,
                  num_threads: int | None = None, master_port: int | None = None,
                  env: dict[str, str] | None = None, start_timeout: float = 120.0,
-                 start_method: str | None = None, find_deadlocks: bool = True):
+                 start_method: str | None = None, find_deadlocks: bool = True, seed: int | None = None):
         global _current
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ClusterError(f"world_size must be a whole number >= 1, not {world_size!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+            raise ClusterError(f"seed must be None (each rank draws its own random numbers) or a whole "
+                               f"number >= 0 (rank r starts from seed + r), not {seed!r}")
         self.world_size = world_size
+        # each rank's random streams: None, from fresh entropy (as separate processes); else seed + rank
+        self.seed = seed
         self.start_method = choose_start_method(start_method)
         self.backend = resolve_backend(backend, world_size)
         if master_port is not None:
@@ -118,6 +132,7 @@ class Cluster:
         self._start_timeout = start_timeout
         self._printer = RankPrinter(world_size)
         self._sent_sources: set[str] = set()
+        self._sent_env: dict = {}  # the environment the ranks last saw from the kernel
         self._run_id = 0
         self._gen: Generation | None = None
         self._group_lost: set[int] = set()  # ranks whose process group rank code destroyed
@@ -228,7 +243,9 @@ class Cluster:
         self._check_open()
         observers = _observers(observe)
         port, reinit_port = free_ports(2)
-        script = wire.RunScript(path, source, [str(a) for a in argv], port, reinit_port, observers)
+        self._drop_in_flight("the script replaces the cluster's process group")
+        script = wire.RunScript(path, source, [str(a) for a in argv], port, reinit_port, observers,
+                                self._kernel_env())
         try:
             return self._call(wire.dumps(script), timeout, observers)
         finally:
@@ -266,9 +283,13 @@ class Cluster:
 
     def _spec(self, port: int, number: int) -> dict:
         return {"world_size": self.world_size, "backend": self.backend, "port": port,
-                "cwd": os.getcwd(), "sys_path": list(sys.path),
-                "env": {**os.environ, **self._env}, "num_threads": self.num_threads,
+                "cwd": _kernel_cwd(), "sys_path": list(sys.path), "seed": self.seed,
+                "env": self._kernel_env(), "num_threads": self.num_threads,
                 "crash_log": os.path.join(self._crash_dir, f"generation{number}-rank{{rank}}.log")}
+
+    def _kernel_env(self) -> dict:
+        """The environment a process started from the kernel now would have (with ``env=``)."""
+        return {**os.environ, **self._env}
 
     def _start_ranks(self, attempts: int = 3) -> None:
         for attempt in range(attempts):
@@ -289,9 +310,11 @@ class Cluster:
         self._sent_sources.clear()
         self._group_lost.clear()
         self._carried = {}
+        self._sent_env = {}
         self._link.oom_first = True
         port = self._master_port or free_ports(1)[0]
         spec = self._spec(port, number)
+        self._sent_env = spec["env"]
         if self.start_method == "fork":
             self._gen = self._launcher.spawn(spec, number)
             return
@@ -355,6 +378,7 @@ class Cluster:
         """Rank code destroyed the default process group: every rank joins a fresh one."""
         lost = sorted(self._group_lost)
         self._group_lost.clear()
+        self._drop_in_flight("the process group they were in is gone")
         which = "every rank" if len(lost) == self.world_size else "rank " + ", ".join(map(str, lost))
         try:
             self._call(wire.dumps(wire.Reinit(free_ports(1)[0])), 60.0)
@@ -368,6 +392,15 @@ class Cluster:
               "re-initialised it (destroy_process_group belongs in scripts: cluster.run_script).",
               file=sys.stderr)
 
+    def _drop_in_flight(self, why: str) -> None:
+        """Forget what earlier calls left in flight, which can no longer reach anything (``why``)."""
+        if self._carried:
+            left = in_flight(self._carried)
+            if left:
+                print(f"dpcourse: {why}, so what earlier calls left in flight is dropped: {'; '.join(left)}.",
+                      file=sys.stderr)
+            self._carried = {}
+
     def _call(self, body: bytes, timeout, observers=()):
         """Run the pickled task ``body`` (a ``wire.RunFunction``, ``RunCell``, ...) on every rank:
         the results by rank, after each observer has collected what the ranks saw."""
@@ -380,8 +413,11 @@ class Cluster:
                               "for them.") from None
         self._run_id += 1
         sources = wire.notebook_sources(self._sent_sources)
-        message = wire.dumps(wire.Task(self._run_id, sources, body))
+        env = self._kernel_env()
+        changed = env if env != self._sent_env else None
+        message = wire.dumps(wire.Task(self._run_id, sources, body, _kernel_cwd(), changed))
         self._sent_sources.update(sources)
+        self._sent_env = env
         self._health.start()
         error = None
         try:

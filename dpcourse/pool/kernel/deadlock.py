@@ -1,164 +1,165 @@
 """Certain deadlocks, told in seconds instead of at the timeout.
 
-Runs in the kernel, which knows more than torchrun: which ranks have *returned* from the
-call (they will issue nothing more in it, and the next call cannot start before this one
-ends), what each rank has sent, received and issued since the ranks started (the tracker's
-traffic, see ``tracker`` and ``traffic``), and -- asked every half second while a call runs --
-what each running rank waits in. From that, ``verdict`` decides, conservatively, whether the
-call can ever finish:
+Runs in the kernel, which knows more than torchrun: which ranks have *returned* from the call
+(they will issue nothing more in it, and the next call cannot start before this one ends),
+what each rank has sent, received and issued since the ranks started (the tracker's traffic,
+see ``tracker`` and ``traffic``), and -- asked every half second while a call runs -- the
+operation each running rank's main thread is blocked in, as the tracker recorded it
+(``wire.Wait``: inside a blocking call, or in ``wait()`` on that operation's own ``Work``).
 
-* a rank blocked in ``recv`` from rank P, when P has sent it no message still unreceived and
-  P has returned from the call (or is itself blocked in such a wait: a cycle);
-* a rank blocked in ``send`` to P that P has no receive posted for, P returned or blocked;
-* a rank blocked in its k-th collective on a group, when a member has issued fewer than k
-  there and has returned (or is blocked in such a wait);
-* every member of a group blocked in its k-th collective there, and those collectives differ.
+``verdict`` is a pure function of those records. A blocked operation can never complete when
 
-It decides only for ranks *blocked* in a communication (their main thread inside
-``torch.distributed`` or on a ``.wait()``); a rank computing, sleeping or anywhere else makes
-the state undecidable, and the timeout stays for it. The same verdict must hold on two probes
-in a row, with no progress between them.
+* a receive, the j-th from rank P on its group, has fewer than j messages sent to it by P, and
+  P has returned from the call (or is itself stuck: a cycle);
+* a send, the j-th to P, has fewer than j receives posted for it by P (from it or from any
+  rank), P returned or stuck;
+* a collective, the k-th on its group, has a member that issued fewer than k there, that
+  member returned or stuck;
+* every member of the group is blocked in its k-th collective there, and they differ.
+
+It decides nothing for a rank whose state says nothing certain: one computing, sleeping, or
+waiting on anything the tracker did not see issued (a ``Future``, a ``Work`` of an earlier
+call), one running threads of the learner's own (they may still communicate), or a receive
+from any rank. Such a rank may still help the others, so a rank waiting for it is not stuck;
+the timeout stays for it, and says where each rank waits. What the finder cannot tell at all
+-- a send and a receive with different tags, which Gloo never matches (NCCL ignores tags) --
+the timeout's message names. The kernel asks for the same verdict on two probes in a row,
+with no progress between them.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..errors import ordinal
+from ..wire import Wait
+from .traffic import add_traffic
 
 PROBE_S = 0.5  # how often the kernel asks running ranks what they wait in
+UNSEEN = ("The deadlock finder saw no certain deadlock: it decides only for ranks blocked in a send, "
+          "a recv, a collective or a Work's wait() it saw issued, and cannot tell send/recv tags apart.")
 
 
-def _count(traffic: dict, kind: str, key) -> int:
+@dataclass(frozen=True)
+class Verdict:
+    """A certain deadlock: one line per stuck rank (one per group whose collectives differ), and
+    the kinds of wait among them ("p2p", "collective") for the advice."""
+
+    lines: list
+    kinds: frozenset
+
+
+def _count(traffic: dict | None, kind: str, key) -> int:
     return (traffic or {}).get(kind, {}).get(key, 0)
 
 
-def _group_name(ranks: tuple, world_size: int) -> str:
-    return "the default group" if len(ranks) == world_size else f"the group of ranks {list(ranks)}"
-
-
-def _what(wait: dict) -> str:
+def what(wait: Wait) -> str:
     """'recv from rank 1 (the 1st recv of this call)' or 'the 2nd all_reduce of this call'."""
-    nth = f"the {ordinal(wait['number'])} {wait['name']} of this call"
-    if wait["kind"] == "recv":
-        return f"{wait['name']} from rank {wait['peer']} ({nth})"
-    if wait["kind"] == "send":
-        return f"{wait['name']} to rank {wait['peer']} ({nth})"
+    nth = f"the {ordinal(wait.number)} {wait.name} of this call"
+    if wait.kind == "recv":
+        return f"{wait.name} from rank {wait.peer} ({nth})"
+    if wait.kind == "send":
+        return f"{wait.name} to rank {wait.peer} ({nth})"
     return nth
 
 
-def verdict(waits: dict[int, dict | None], finished: set[int], total: dict[int, dict],
-            world_size: int) -> tuple[list[str], set[str]] | None:
-    """(one line per rank that can never finish, the kinds of wait: "p2p"/"collective"), or None
-    when the call may still finish. ``waits``: each running rank's wait (``None``: not blocked in
-    a communication); ``finished``: ranks that returned from the call; ``total``: rank -> its
-    traffic since the ranks started, this call's so far included."""
-    pending = set(waits)
-    if not pending:
-        return None
-    deps, mismatched = _dependencies(waits, total)
-    _keep_the_stuck(deps, pending)
-    if not deps or (set(deps) != pending and not mismatched):
-        return None
-    return _describe(deps, mismatched, waits, finished, world_size)
+def verdict(waits: dict[int, Wait | None], returned: set[int], carried: dict[int, dict],
+            this_call: dict[int, dict]) -> Verdict | None:
+    """A ``Verdict`` when some rank can never finish the call, else None.
 
-
-def _dependencies(waits: dict[int, dict | None], total: dict[int, dict]) -> tuple[dict, dict]:
-    """(rank -> the ranks that must act before its wait can end, rank -> the other members of its
-    group blocked in a different collective), for every blocked rank nothing already frees."""
-    deps: dict[int, set[int]] = {}
-    mismatched: dict[int, list[int]] = {}
+    ``waits``: every rank still in the call, with what it is blocked in (None: nothing certain,
+    it may still act); ``returned``: ranks certain to issue nothing more in this call;
+    ``carried``: rank -> traffic left in flight by earlier calls; ``this_call``: rank -> this
+    call's traffic so far (a returned rank's from its reply)."""
+    total = add_traffic(carried, this_call)
+    deps, mismatched = {}, {}
     for r, w in waits.items():
-        if not w:
+        if w is None:
             continue
-        if w["kind"] in ("recv", "send"):
-            peers = _p2p_waits_for(r, w, total)
-            if peers is not None:
-                deps[r] = peers
-            continue
-        behind, same = _collective_waits_for(r, w, waits, total)
-        if behind:
-            deps[r] = behind
-        elif same is not None:
-            mismatched[r] = same
-            deps[r] = set()
-    return deps, mismatched
-
-
-def _p2p_waits_for(r: int, w: dict, total: dict[int, dict]) -> set[int] | None:
-    """{the peer} a blocked send or recv waits for, or None when it completes (or, a recv from
-    any rank, is not decided here)."""
-    g, peer = tuple(w["group"]), w.get("peer")
-    if w["kind"] == "recv":
-        if peer is None:
-            return None  # from any rank: not decided here
-        if _count(total.get(peer), "sent", (g, r)) >= _count(total.get(r), "received", (g, peer)):
-            return None  # a message is there for it: it completes
-        return {peer}
-    posted = _count(total.get(peer), "received", (g, r)) + _count(total.get(peer), "received", (g, None))
-    if posted >= _count(total.get(r), "sent", (g, peer)):
+        needs = _needs(r, w, waits, carried, total)
+        if needs is not None:
+            deps[r] = needs
+        elif (same := _differing(r, w, waits, carried, total)) is not None:
+            mismatched[r], deps[r] = same, set()
+    _keep_the_stuck(deps, returned)
+    if not deps:
         return None
-    return {peer}
+    return _describe(deps, mismatched, waits, returned)
 
 
-def _collective_waits_for(r: int, w: dict, waits: dict[int, dict | None],
-                          total: dict[int, dict]) -> tuple[set[int], list[int] | None]:
-    """(the members that have issued fewer collectives on the group, the other members when every
-    one is blocked in this same k-th collective under a different name, else None)."""
-    g = tuple(w["group"])
-    k = _count(total.get(r), "collectives", g)
-    behind = {m for m in g if m != r and _count(total.get(m), "collectives", g) < k}
-    if behind:
-        return behind, None
-    others = [m for m in g if m != r]
-    same = [m for m in others if waits.get(m) and waits[m]["kind"] == "collective"
-            and tuple(waits[m]["group"]) == g and _count(total.get(m), "collectives", g) == k]
-    if others and len(same) == len(others) and any(waits[m]["name"] != w["name"] for m in same):
-        return behind, same
-    return behind, None
+def _position(r: int, w: Wait, carried: dict[int, dict]) -> int:
+    """The waited operation's place since the ranks started, among its kind on its group (and peer)."""
+    if w.kind == "collective":
+        return _count(carried.get(r), "collectives", w.group) + w.seq
+    table = "received" if w.kind == "recv" else "sent"
+    return _count(carried.get(r), table, (w.group, w.peer)) + w.seq
 
 
-def _keep_the_stuck(deps: dict[int, set[int]], pending: set[int]) -> None:
+def _needs(r: int, w: Wait, waits: dict, carried: dict, total: dict) -> set[int] | None:
+    """The ranks that must still act for rank ``r``'s wait to end; None when it can complete (or,
+    a receive from any rank, is not decided here)."""
+    g, j = w.group, _position(r, w, carried)
+    if w.kind == "recv":
+        if w.peer is None or _count(total.get(w.peer), "sent", (g, r)) >= j:
+            return None  # from any rank, or a message is there for it
+        return {w.peer}
+    if w.kind == "send":
+        posted = _count(total.get(w.peer), "received", (g, r)) + _count(total.get(w.peer), "received", (g, None))
+        return None if posted >= j else {w.peer}
+    behind = {m for m in g.ranks if m != r and _count(total.get(m), "collectives", g) < j}
+    return behind or None
+
+
+def _differing(r: int, w: Wait, waits: dict, carried: dict, total: dict) -> list[int] | None:
+    """The other members of ``r``'s group when every one is blocked in the same k-th collective
+    there and not all of them in the same one (none can complete), else None."""
+    if w.kind != "collective":
+        return None
+    k, others = _position(r, w, carried), [m for m in w.group.ranks if m != r]
+    same = [m for m in others if (o := waits.get(m)) is not None and o.kind == "collective"
+            and o.group == w.group and _position(m, o, carried) == k]
+    if others and len(same) == len(others) and any(waits[m].name != w.name for m in same):
+        return same
+    return None
+
+
+def _keep_the_stuck(deps: dict[int, set[int]], returned: set[int]) -> None:
     """Keep only ranks whose every possible helper has returned or is stuck too (in place)."""
     changed = True
     while changed:
         changed = False
         for r in list(deps):
-            if any(d in pending and d not in deps for d in deps[r]):
+            if any(d not in returned and d not in deps for d in deps[r]):
                 del deps[r]
                 changed = True
 
 
-def _describe(deps: dict[int, set[int]], mismatched: dict[int, list[int]], waits: dict[int, dict | None],
-              finished: set[int], world_size: int) -> tuple[list[str], set[str]]:
-    """One line per stuck rank (one per group whose collectives differ), and the kinds of wait."""
+def _describe(deps: dict[int, set[int]], mismatched: dict[int, list[int]], waits: dict,
+              returned: set[int]) -> Verdict:
     lines, kinds = [], set()
     for r in sorted(deps):
         w = waits[r]
-        kinds.add("collective" if w["kind"] == "collective" else "p2p")
+        kinds.add("collective" if w.kind == "collective" else "p2p")
         if r not in mismatched:
-            lines.append(_stuck_line(r, deps[r], waits, finished, world_size))
+            lines.append(_stuck_line(r, deps[r], waits, returned))
         elif r == min(mismatched[r] + [r]):  # one line per group
-            lines.append(_mismatch_line(r, mismatched[r], waits, world_size))
-    return lines, kinds
+            lines.append(_mismatch_line(r, mismatched[r], waits))
+    return Verdict(lines, frozenset(kinds))
 
 
-def _mismatch_line(r: int, same: list[int], waits: dict[int, dict | None], world_size: int) -> str:
+def _mismatch_line(r: int, same: list[int], waits: dict) -> str:
     members = sorted([r, *same])
-    said = ", ".join([f"rank {r} waits in {_what(waits[r])}"]
-                     + [f"rank {m} in {_what(waits[m])}" for m in members[1:]])
-    return (f"on {_group_name(tuple(waits[r]['group']), world_size)} {said}: the collectives differ, "
-            "so none of them can complete")
+    said = ", ".join([f"rank {r} waits in {what(waits[r])}"] + [f"rank {m} in {what(waits[m])}" for m in members[1:]])
+    return f"on {waits[r].group.describe()} {said}: the collectives differ, so none of them can complete"
 
 
-def _stuck_line(r: int, deps: set[int], waits: dict[int, dict | None], finished: set[int],
-                world_size: int) -> str:
+def _stuck_line(r: int, deps: set[int], waits: dict, returned: set[int]) -> str:
     w = waits[r]
 
     def where(d: int) -> str:
-        if d in finished or d not in waits:
-            return "has returned from this call"
-        return f"waits in {_what(waits[d])}"
+        return "has returned from this call" if d in returned else f"waits in {what(waits[d])}"
 
-    if w["kind"] == "collective":
-        return (f"rank {r} waits in {_what(w)} on {_group_name(tuple(w['group']), world_size)}, which "
+    if w.kind == "collective":
+        return (f"rank {r} waits in {what(w)} on {w.group.describe()}, which "
                 + "; ".join(f"rank {d} has not joined: it {where(d)}" for d in sorted(deps)))
     d = next(iter(deps))
-    return f"rank {r} waits in {_what(w)}, which " + ("" if d in finished or d not in waits else "itself ") + where(d)
+    return f"rank {r} waits in {what(w)}, which " + ("" if d in returned else "itself ") + where(d)

@@ -23,6 +23,7 @@ class RankLink:
         self.launcher, self.printer, self.memory, self.crash_dir = launcher, printer, memory, crash_dir
         self.oom_first = True  # the ranks volunteer to the OOM killer (False: the platform cannot)
         self.waits: dict[int, wire.Waiting] = {}  # rank -> its answer to the last AskWait probe
+        self.ended: dict[int, wire.Reply] = {}  # rank -> how its script ended (wire.ScriptEnded), this call
 
     def poll(self, gen: Generation, pending: set[int], timeout: float):
         """Show rank output; yield (rank, message or None if the rank died) from pending ranks:
@@ -57,6 +58,8 @@ class RankLink:
                     status = msg
                 elif isinstance(msg, wire.Waiting):  # an answer to the deadlock check's probe
                     self.waits[rank] = msg
+                elif isinstance(msg, wire.ScriptEnded):  # the rank now joins the pool's group again
+                    self.ended[rank] = msg.reply
         except (EOFError, OSError):
             pass
         return status
@@ -69,8 +72,21 @@ class RankLink:
             if self.launcher.conn.poll(0.02):
                 self.launcher.poll_one()
         status = self.launcher.exited.get(pid)
+        words = "".join(self.launcher.last_words.get(pid, ("", "")))
+        aborted = "terminate called" in words or "what():" in words
         return (describe_exit(status) + f" (pid {pid})"
+                + (": C++ ended it on an exception nothing caught, whose what() is printed above"
+                   if aborted else "")
                 + self.memory.kill_hint(self.launcher.peaks.get(pid), status, self.oom_first))
+
+    def last_words(self, gen: Generation, rank: int) -> None:
+        """Show what a dead rank wrote that its output thread had not sent (the launcher read it
+        out of the rank's pipes): the end of a C++ abort's message, say."""
+        out, err = self.launcher.last_words.pop(gen.pids[rank], ("", ""))
+        for stream, text in (("stdout", out), ("stderr", err)):
+            if text:
+                self.printer.feed(rank, stream, text)
+        self.printer.flush()
 
     def crash_log(self, gen: Generation, rank: int) -> str:
         """What faulthandler wrote when the rank crashed (a segfault's Python stack), if anything."""

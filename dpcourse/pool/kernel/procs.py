@@ -75,6 +75,7 @@ class LauncherProcess:
         child.close()
         self.exited: dict[int, int] = {}  # pid -> wait status, reported by the launcher
         self.peaks: dict[int, int] = {}   # pid -> peak resident bytes (the kernel's ru_maxrss)
+        self.last_words: dict[int, tuple[str, str]] = {}  # pid -> what it wrote, unsent, as it died
         try:
             msg = self.recv(start_timeout)
         except ClusterError:
@@ -124,8 +125,10 @@ class LauncherProcess:
         return msg
 
     def _note_exits(self, exits) -> None:
-        for pid, status, peak in exits:
+        for pid, status, peak, out, err in exits:
             self.exited[pid], self.peaks[pid] = status, peak
+            if out or err:
+                self.last_words[pid] = (out, err)
 
     def spawn(self, spec: dict, number: int, spare: bool = False) -> Generation:
         """Start a generation of ranks. Forked ones start at once; spawned ones wait for

@@ -10,44 +10,43 @@ from __future__ import annotations
 
 
 def in_flight(traffic: dict[int, dict]) -> list[str]:
-    """What the ranks' traffic (rank -> ``CollectiveTracker.traffic()``) leaves in flight, one
-    line per problem: a message no rank received, a receive nothing sent to, a group whose
+    """What the ranks' traffic (rank -> ``CollectiveTracker.traffic()``, keyed by ``wire.Group``)
+    leaves in flight, one line per problem: a message no rank received, a receive nothing sent to, a group whose
     members issued different numbers of collectives. Empty: nothing can reach the next call."""
-    sent: dict[tuple, int] = {}      # (group ranks, src, dst) -> messages
-    received: dict[tuple, int] = {}  # (group ranks, src, dst)
-    any_source: dict[tuple, int] = {}  # (group ranks, dst) -> receives from any rank
-    issued: dict[tuple, dict[int, int]] = {}
+    sent: dict[tuple, int] = {}      # (group, src, dst) -> messages
+    received: dict[tuple, int] = {}  # (group, src, dst)
+    any_source: dict[tuple, int] = {}  # (group, dst) -> receives from any rank
+    issued: dict = {}  # group -> {rank: collectives}
     for rank, t in traffic.items():
-        for (ranks, dst), n in t["sent"].items():
-            sent[(ranks, rank, dst)] = sent.get((ranks, rank, dst), 0) + n
-        for (ranks, src), n in t["received"].items():
+        for (group, dst), n in t["sent"].items():
+            sent[(group, rank, dst)] = sent.get((group, rank, dst), 0) + n
+        for (group, src), n in t["received"].items():
             if src is None:
-                any_source[(ranks, rank)] = any_source.get((ranks, rank), 0) + n
+                any_source[(group, rank)] = any_source.get((group, rank), 0) + n
             else:
-                received[(ranks, src, rank)] = received.get((ranks, src, rank), 0) + n
-        for ranks, n in t["collectives"].items():
-            issued.setdefault(ranks, {})[rank] = n
+                received[(group, src, rank)] = received.get((group, src, rank), 0) + n
+        for group, n in t["collectives"].items():
+            issued.setdefault(group, {})[rank] = n
     problems = []
     for key in sorted(set(sent) | set(received), key=str):
-        ranks, src, dst = key
+        group, src, dst = key
         extra = sent.get(key, 0) - received.get(key, 0)
         if extra > 0:
-            matched = min(extra, any_source.get((ranks, dst), 0))
-            any_source[(ranks, dst)] = any_source.get((ranks, dst), 0) - matched
+            matched = min(extra, any_source.get((group, dst), 0))
+            any_source[(group, dst)] = any_source.get((group, dst), 0) - matched
             extra -= matched
         if extra > 0:
             problems.append(f"rank {src} sent {_messages(extra)} to rank {dst} that rank {dst} did not receive")
         elif extra < 0:
             problems.append(f"rank {dst} waits for {_messages(-extra)} from rank {src} that rank {src} did not send")
-    for (ranks, dst), n in sorted(any_source.items(), key=str):
+    for (group, dst), n in sorted(any_source.items(), key=str):
         if n > 0:
             problems.append(f"rank {dst} waits for {_messages(n)} from any rank that no rank sent")
-    for ranks, by_rank in sorted(issued.items(), key=str):
-        counts = {r: by_rank.get(r, 0) for r in ranks if r in traffic}
+    for group, by_rank in sorted(issued.items(), key=str):
+        counts = {r: by_rank.get(r, 0) for r in group.ranks if r in traffic}
         if len(set(counts.values())) > 1:
-            where = "the default group" if len(ranks) == len(traffic) else f"the group of ranks {list(ranks)}"
             said = ", ".join(f"rank {r} {n}" for r, n in sorted(counts.items()))
-            problems.append(f"on {where} the ranks issued different numbers of collectives ({said})")
+            problems.append(f"on {group.describe()} the ranks issued different numbers of collectives ({said})")
     return problems
 
 

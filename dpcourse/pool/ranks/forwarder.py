@@ -20,17 +20,25 @@ from ..wire import Output
 
 
 class OutputForwarder:
-    """Redirects fds 1 and 2 into pipes and forwards what arrives to the kernel."""
+    """Forwards what is written to fds 1 and 2 (pipes) to the kernel.
 
-    def __init__(self, send):
-        """``send(message)``: put a ``wire.Output`` on the kernel's control socket."""
+    The launcher makes the pipes and keeps their read ends too (``launcher``): what a rank
+    wrote just before it died -- the C++ runtime's ``what():`` line before an abort -- is still
+    in the pipe when this thread dies with the rank, and the launcher reads it out then."""
+
+    def __init__(self, send, read_fds: tuple[int, int] | None = None):
+        """``send(message)``: put a ``wire.Output`` on the kernel's control socket; ``read_fds``:
+        the read ends of the pipes fds 1 and 2 already write to (None: make them here)."""
         self._send = send
         self._busy = threading.Lock()  # held from reading a chunk until it is sent
         self._fds = {}
-        for stream, fd in (("stdout", 1), ("stderr", 2)):
-            r, w = os.pipe()
-            os.dup2(w, fd)
-            os.close(w)
+        for i, (stream, fd) in enumerate((("stdout", 1), ("stderr", 2))):
+            if read_fds is None:
+                r, w = os.pipe()
+                os.dup2(w, fd)
+                os.close(w)
+            else:
+                r = read_fds[i]
             self._fds[r] = (stream, codecs.getincrementaldecoder("utf-8")("replace"))
         # Unbuffered text streams: a print() or a "\r" progress update reaches the pipe at once.
         sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8",

@@ -114,17 +114,21 @@ class PoolGroup:
         return dist.is_initialized()
 
     @contextlib.contextmanager
-    def script(self, path: str, argv: list[str], port: int, reinit_port: int):
-        """Run the body as torchrun would run ``path``: no group, torchrun's variables, ``sys.argv``.
+    def script(self, path: str, argv: list[str], port: int, env: dict | None = None):
+        """Run the body as torchrun would run ``path``: no group, the environment ``env`` (a process
+        started from the kernel now would have it) with torchrun's variables, ``sys.argv``.
 
-        Afterwards the script's group (if it left one) is destroyed, the environment and
-        ``sys.argv`` are restored, and the pool's group is initialised on ``reinit_port``.
+        Afterwards the script's group (if it left one) is destroyed and the environment and
+        ``sys.argv`` are restored; the rank joins the pool's group again with ``rejoin``.
         """
         import torch.distributed as dist
 
         if dist.is_initialized():
             dist.destroy_process_group()
         saved_env, saved_argv = dict(os.environ), sys.argv
+        if env is not None:
+            os.environ.clear()
+            os.environ.update(env)
         os.environ.update(torchrun_env(self.rank, self.world_size, port))
         sys.argv = [path, *argv]
         self.scripts_running += 1
@@ -137,8 +141,15 @@ class PoolGroup:
             os.environ.update(saved_env)
             if dist.is_initialized():  # the script did not destroy its group
                 dist.destroy_process_group()
-            self.release()
-            self.init(reinit_port)
+
+    def rejoin(self, port: int) -> None:
+        """After a script: join the pool's group again on ``port`` (every rank, together)."""
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.release()
+        self.init(port)
 
 
 def torchrun_env(rank: int, world_size: int, port: int) -> dict[str, str]:

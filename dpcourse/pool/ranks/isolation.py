@@ -15,6 +15,10 @@ and two projects' ``utils.py`` would collide. So, for the length of one script r
 
 The installation's modules (the standard library, site-packages: torch, numpy, ...) and this
 package's stay loaded: importing them again would cost seconds and change nothing.
+
+The same line between the learner's code and everything else tells which threads of a rank are
+the learner's (``learner_threads``): a thread that runs the learner's code may still send or
+receive, so a rank that runs one decides no deadlock.
 """
 from __future__ import annotations
 
@@ -24,6 +28,9 @@ import linecache
 import os
 import sys
 import sysconfig
+import threading
+
+from ...torch_private import thread_target
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
@@ -46,11 +53,48 @@ def _installation_roots() -> tuple[str, ...]:
 _ROOTS: tuple[str, ...] | None = None
 
 
-def is_learners(module) -> bool:
-    """True for a module loaded from outside the Python installation and this package."""
+def _roots() -> tuple[str, ...]:
+    """Where the installation and this package live (found once; ``sysconfig`` imports a module
+    the first time, so the rank asks at its start, never first from another thread)."""
     global _ROOTS
     if _ROOTS is None:
         _ROOTS = _installation_roots()
+    return _ROOTS
+
+
+def is_learners_file(filename: str) -> bool:
+    """True for code of the learner's: a file outside the Python installation and this package, a
+    notebook cell or a string it ran (``<ipython-input-3-...>``, ``<ranks-cell-2>``, ``<string>``);
+    not Python's own frozen modules."""
+    if filename.startswith("<"):
+        return not filename.startswith("<frozen")
+    return not os.path.abspath(filename).startswith(_roots())
+
+
+def learner_threads() -> list[str]:
+    """Names of the rank's live threads that run the learner's code, besides the main thread and
+    the pool's own (``dpcourse-...``): their function is the learner's, or the learner's code is on
+    their stack now."""
+    frames = sys._current_frames()
+    found = []
+    for thread in threading.enumerate():
+        if thread is threading.main_thread() or thread.name.startswith("dpcourse-") or not thread.is_alive():
+            continue
+        entries = [thread_target(thread), getattr(thread, "function", None)]  # a Timer's function
+        if type(thread).run is not threading.Thread.run:
+            entries.append(type(thread).run)
+        codes = [getattr(e, "__code__", None) for e in entries]
+        frame = frames.get(thread.ident)
+        while frame is not None:
+            codes.append(frame.f_code)
+            frame = frame.f_back
+        if any(c is not None and is_learners_file(c.co_filename) for c in codes):
+            found.append(thread.name)
+    return found
+
+
+def is_learners(module) -> bool:
+    """True for a module loaded from outside the Python installation and this package."""
     file = getattr(module, "__file__", None)
     places = [file] if isinstance(file, str) else []
     if not places:  # a namespace package has locations but no file; builtins have neither
@@ -60,7 +104,7 @@ def is_learners(module) -> bool:
             return False
     if not places:
         return False
-    return not any(os.path.abspath(p).startswith(_ROOTS) for p in places)
+    return not any(os.path.abspath(p).startswith(_roots()) for p in places)
 
 
 def _script_folder(path: str) -> str:
@@ -85,7 +129,7 @@ def script_imports(path: str):
         yield
     finally:
         sys.path[:] = saved_path
-        for name in [n for n in sys.modules if n not in before and n != "__main__"]:
+        for name in [n for n in list(sys.modules) if n not in before and n != "__main__"]:
             module = sys.modules.get(name)
             if module is None or is_learners(module):
                 sys.modules.pop(name, None)

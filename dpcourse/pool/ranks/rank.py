@@ -22,9 +22,10 @@ from multiprocessing.connection import Connection
 from ...backends import rank_device
 from ...processes import set_death_signal
 from .. import wire
+from . import fresh
 from .forwarder import OutputForwarder
 from .group import PoolGroup, torchrun_env
-from .isolation import script_imports
+from .isolation import learner_threads, script_imports
 from ..reaper import own_group, stop_descendants
 from .tracker import TRACKER
 
@@ -36,8 +37,10 @@ OOM_SCORE_ADJ = 1000
 
 
 class Rank:
-    def __init__(self, spec: dict, rank: int, task: Connection, control: Connection):
+    def __init__(self, spec: dict, rank: int, task: Connection, control: Connection,
+                 output_fds: tuple[int, int] | None = None):
         self.spec, self.rank = spec, rank
+        self.output_fds = output_fds  # the read ends of the pipes fds 1 and 2 write to
         self.task, self.control = task, control
         self._send_lock = threading.Lock()
         self.tracker = TRACKER
@@ -45,6 +48,8 @@ class Rank:
         self.namespace: dict = {}  # where %%ranks cells run; persists between cells
         self.left: list = []  # (pid, name) of processes the last script left running, now stopped
         self.main_ident = threading.get_ident()
+        self.phase = ""  # what the rank does between the learner's code and its reply, if it takes time
+        self.kernel_cwd, self.kernel_env = spec["cwd"], dict(spec["env"])  # the kernel's, as last seen
 
     # --- set-up -------------------------------------------------------------------
     def setup(self) -> None:
@@ -57,15 +62,18 @@ class Rank:
         except OSError:
             pass
         sys.path[:] = spec["sys_path"]
-        self.output = OutputForwarder(self.send_control)
+        self.output = OutputForwarder(self.send_control, self.output_fds)
         # A segfault kills the output thread with the process; faulthandler's file survives,
         # and the kernel shows it in the RankDied report.
         self._crash_file = open(spec["crash_log"].format(rank=rank), "w")
         faulthandler.enable(self._crash_file, all_threads=False)
         signal.signal(signal.SIGINT, self._on_sigint)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the launcher's own handler is not the rank's
         import torch
         import torch.distributed as dist
 
+        fresh.remember_start()
+        fresh.seed_streams(spec.get("seed"), rank)  # each rank its own stream, as separate processes
         torch.set_num_threads(spec["num_threads"])
         self.group = PoolGroup(spec["backend"], rank, spec["world_size"])
         self.group.init(spec["port"])
@@ -103,16 +111,27 @@ class Rank:
     def status(self) -> wire.Status:
         frame = sys._current_frames().get(self.main_ident)
         stack = "".join(traceback.format_stack(frame)) if frame is not None else ""
-        return wire.Status(self.running, self.tracker.describe(), _user_stack(stack))
+        return wire.Status(self.running, self.phase or self.tracker.describe(), _user_stack(stack))
 
     def wait_state(self) -> wire.Waiting:
-        """What the kernel's deadlock check needs (see ``deadlock``): the communication this rank
-        is blocked in (None when it is not blocked in one: computing, sleeping, ...) and the
-        call's traffic so far."""
-        wait, traffic = self.tracker.waiting()
-        if wait is not None and not _blocked(sys._current_frames().get(self.main_ident)):
-            wait = None
-        return wire.Waiting(self.running, wait, traffic)
+        """What the kernel's deadlock check needs (see ``deadlock``): the communication this rank's
+        main thread is blocked in, as the tracker recorded it (None when it is not blocked in one
+        the tracker can follow, or when threads of the learner's run besides: they may still
+        communicate), why not, and the call's traffic so far."""
+        wait, why, traffic = self.tracker.waiting()
+        threads = learner_threads()
+        if wait is not None and threads:
+            wait, why = None, f"runs threads of its own ({', '.join(threads[:3])}), which may still communicate"
+        elif wait is not None and self.phase:
+            wait, why = None, self.phase
+        return wire.Waiting(self.running, wait, why, traffic)
+
+    def say(self, text: str) -> None:
+        """Tell the kernel (and a timeout's report) what the rank waits for between the learner's
+        code and its reply ('' when it no longer does)."""
+        self.phase = text
+        if text:
+            print(f"dpcourse: {text}.", file=sys.stderr, flush=True)
 
     # --- the loop --------------------------------------------------------------------
     def serve(self) -> None:
@@ -142,14 +161,15 @@ class Rank:
         run_id = task.run_id
         try:
             linecache.cache.update(task.sources)
+            self._follow_kernel(task)
             body = wire.loads(task.body)
             self.tracker.reset()
             self.running = True
             try:
                 with self.group.guarded(), self.tracker.calls():  # undone after the call
-                    value, observed = self._dispatch(body)
+                    value, observed = self._dispatch(body, run_id)
             finally:
-                self.running = False
+                self.running, self.phase = False, ""
                 self.group.release()
             if isinstance(body, wire.RunScript) and value != 0:
                 return wire.Exited(run_id, self._after(), value, observed)
@@ -157,28 +177,46 @@ class Rank:
         except KeyboardInterrupt:
             return wire.Interrupted(run_id, self._after())
         except BaseException as exc:  # noqa: BLE001 -- everything goes back to the kernel
-            tb = _learner_traceback(exc)
-            summary = traceback.format_exception_only(type(exc), exc)[-1].strip()
-            try:
-                wire.dumps(exc)
-            except Exception:
-                exc = None
-            return wire.Raised(run_id, self._after(), summary, tb, exc)
+            return _raised(run_id, self._after(), exc)
 
-    def _after(self) -> wire.After:
+    def _after(self, destroyed: bool = False) -> wire.After:
+        """What the call left (``wire.After``); ``destroyed``: count the groups the call destroyed
+        too (a script's, while its peers may still wait in them), and keep ``left`` for the reply."""
         try:
-            traffic = self.tracker.traffic()
+            traffic = self.tracker.traffic(destroyed)
         except Exception:  # noqa: BLE001 -- a torch without get_process_group_ranks: unchecked
             traffic = None
-        left, self.left = self.left, []
-        return wire.After(self.group.intact(), traffic, left)
+        left = self.left
+        if not destroyed:
+            self.left = []
+        return wire.After(self.group.intact(), traffic, left, tuple(learner_threads()))
 
-    def _dispatch(self, body) -> tuple:
+    def _follow_kernel(self, task: wire.Task) -> None:
+        """Work in the kernel's folder and environment as they are now (a ``%cd`` or an
+        ``os.environ`` change in the kernel is seen by the next call); torchrun's variables stay
+        the pool's."""
+        if task.cwd and task.cwd != self.kernel_cwd:
+            self.kernel_cwd = task.cwd
+            try:
+                os.chdir(task.cwd)
+            except OSError as err:
+                print(f"dpcourse: rank {self.rank} cannot work in the kernel's folder {task.cwd!r} "
+                      f"({err.strerror}); it stays in {os.getcwd()!r}.", file=sys.stderr)
+        if task.env is not None and task.env != self.kernel_env:
+            ours = set(torchrun_env(self.rank, 1, 0))
+            for name in set(self.kernel_env) - set(task.env) - ours:
+                os.environ.pop(name, None)
+            for name, value in task.env.items():
+                if name not in ours and self.kernel_env.get(name) != value:
+                    os.environ[name] = value
+            self.kernel_env = dict(task.env)
+
+    def _dispatch(self, body, run_id: int) -> tuple:
         """Run a task's body; (its value, what its observers saw: ``[]`` without observers)."""
         if isinstance(body, wire.RunCell):
             return self._run_cell(body.source, body.filename), []
         if isinstance(body, wire.RunScript):
-            return self._run_script(body)
+            return self._run_script(body, run_id)
         if isinstance(body, wire.Reinit):
             import torch.distributed as dist
 
@@ -202,18 +240,40 @@ class Rank:
             return eval(compile(last, filename, "eval"), self.namespace)
         return None
 
-    def _run_script(self, script: wire.RunScript) -> tuple[int, list]:
+    def _run_script(self, script: wire.RunScript, run_id: int) -> tuple[int, list]:
         """Run ``script.source`` as the ``__main__`` module ``script.path``, as torchrun would;
-        its exit code and what the observers saw."""
+        its exit code and what the observers saw. Once the script has ended, the kernel hears
+        how (``wire.ScriptEnded``) before the rank joins the pool's group again: that waits for
+        every rank, and a peer still inside its script may wait for this one in vain."""
         with observing(script.observers) as observed:
-            code = self._exec_script(script.path, script.source, script.argv, script.port,
-                                     script.reinit_port)
+            try:
+                code = self._exec_script(script)
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:  # noqa: BLE001 -- told now, raised again for the reply
+                self._script_ended(_raised(run_id, self._after(destroyed=True), exc))
+                raise
+            else:
+                ended = wire.Finished if code == 0 else wire.Exited
+                args = (0, []) if code == 0 else (code, [])
+                self._script_ended(ended(run_id, self._after(destroyed=True), *args))
+            finally:
+                self.group.rejoin(script.reinit_port)
         return code, observed
 
-    def _exec_script(self, path: str, source: str, argv: list, port: int, reinit_port: int) -> int:
+    def _script_ended(self, reply: wire.Reply) -> None:
+        try:
+            self.send_control(wire.ScriptEnded(reply.run_id, reply))
+        except Exception:  # noqa: BLE001 -- what cannot travel is said by the final reply
+            pass
+
+    def _exec_script(self, script: wire.RunScript) -> int:
+        """The script's code, run as a new process runs it (see ``fresh``), to its end: its exit
+        code; an exception it raised is raised."""
         import types
 
-        code = compile(source, path, "exec")
+        path = script.path
+        code = compile(script.source, path, "exec")
         main = types.ModuleType("__main__")  # what `python path` makes: pickle finds its classes
         main.__file__, main.__builtins__ = path, __builtins__
         saved_main, sys.modules["__main__"] = sys.modules["__main__"], main
@@ -221,13 +281,17 @@ class Rank:
         _script_pid = os.getpid()
         os._exit = _script_exit  # under torchrun it ends the process; here it ends the script
         try:
-            with script_imports(path), self.group.script(path, argv, port, reinit_port):
-                _exec_main(code, main.__dict__)
-        except SystemExit as exc:
-            return _exit_code(exc)
+            with script_imports(path), self.group.script(path, script.argv, script.port, script.env), \
+                    fresh.fresh_process(self.kernel_cwd, self.spec.get("seed"), self.rank, self.say):
+                try:
+                    _exec_main(code, main.__dict__)
+                except SystemExit as exc:
+                    return _exit_code(exc)
         finally:
             os._exit = _exit
             sys.modules["__main__"] = saved_main
+            self.say("")
+            _tear_down(main)
             self._stop_what_the_script_left()
             self.output.drain()
         return 0
@@ -340,18 +404,25 @@ def _learner_traceback(exc: BaseException) -> str:
     return "".join(te.format())
 
 
-_C10D_FILES = ("distributed_c10d.py", "c10d_logger.py")
+def _tear_down(module) -> None:
+    """What a process's end does to its ``__main__``: the script's objects are let go of, and
+    what they own ends as they are freed (a DataLoader's persistent workers, say), not as
+    leftovers the rank must stop."""
+    import gc
+
+    module.__dict__.clear()
+    gc.collect()
 
 
-def _blocked(frame) -> bool:
-    """Whether the main thread waits in a communication: inside torch.distributed's functions,
-    or on a line that calls ``.wait()`` (a ``Work``'s). Anything else -- computing, sleeping --
-    is not decided."""
-    if frame is None:
-        return False
-    if frame.f_code.co_filename.endswith(_C10D_FILES):
-        return True
-    return ".wait(" in linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+def _raised(run_id: int, after: wire.After, exc: BaseException) -> wire.Raised:
+    """The reply for an exception: one line, the learner's traceback, the exception if it travels."""
+    tb = _learner_traceback(exc)
+    summary = traceback.format_exception_only(type(exc), exc)[-1].strip()
+    try:
+        wire.dumps(exc)
+    except Exception:
+        exc = None
+    return wire.Raised(run_id, after, summary, tb, exc)
 
 
 def _user_stack(stack: str) -> str:
@@ -367,7 +438,7 @@ def spawned_main() -> None:
     nice value so that the cluster's calls come first -- or ``wire.Spec`` when the rank is needed
     (it then imports at once, if it has not yet). Either way it says ``Imported`` to the kernel
     and ``SpareImported`` to the launcher when torch is in."""
-    rank, task_fd, control_fd, launcher_pid = map(int, sys.argv[1:5])
+    rank, task_fd, control_fd, launcher_pid, out_r, err_r, out_w, err_w = map(int, sys.argv[1:9])
     set_death_signal(launcher_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # until it runs calls (setup installs its own)
     launcher = Connection(0)
@@ -386,7 +457,18 @@ def spawned_main() -> None:
     if null != 0:
         os.dup2(null, 0)
         os.close(null)
-    main(wire.loads(msg.spec), rank, task, control_fd, launcher_pid)
+    _output_to(out_w, err_w)
+    main(wire.loads(msg.spec), rank, task, control_fd, launcher_pid, (out_r, err_r))
+
+
+def _output_to(out_w: int, err_w: int) -> None:
+    """fds 1 and 2 write into the pipes the launcher made (see ``forwarder``)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(out_w, 1)
+    os.dup2(err_w, 2)
+    os.close(out_w)
+    os.close(err_w)
 
 
 def _from_launcher(launcher: Connection):
@@ -434,16 +516,18 @@ def _import_torch(nice: int | None) -> None:
         raise failed[0]
 
 
-def main(spec: dict, rank: int, task, control_fd: int, launcher_pid: int) -> None:
+def main(spec: dict, rank: int, task, control_fd: int, launcher_pid: int,
+         output_fds: tuple[int, int] | None = None) -> None:
     """Entry point in the forked (or spawned) child; never returns. ``task``: the task
-    socket's descriptor, or its Connection."""
+    socket's descriptor, or its Connection; ``output_fds``: the read ends of the pipes fds 1
+    and 2 write to (see ``forwarder``)."""
     code = 0
     try:
         own_group()  # what the rank starts joins its process group (see reaper)
         set_death_signal(launcher_pid)
         task = task if isinstance(task, Connection) else Connection(task)
         control = Connection(control_fd)
-        worker = Rank(spec, rank, task, control)
+        worker = Rank(spec, rank, task, control, output_fds)
         try:
             worker.setup()
         except BaseException as exc:  # noqa: BLE001

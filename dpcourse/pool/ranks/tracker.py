@@ -1,39 +1,48 @@
-"""Which collective a rank is waiting in, so a hang reads "waiting in the 3rd all_reduce of this call".
+"""What a rank issued and what it waits in, so a hang reads "waiting in the 3rd all_reduce of this
+call" and a deadlock is decided from recorded waits, never guessed.
 
-Runs on the ranks. Every collective -- ``dist.all_reduce`` from the learner's code, DDP's
-C++ reducer, FSDP's all-gathers -- ends in a ``torch.ops.c10d`` operator. The tracker
-registers a thin kernel for those operators at the autograd dispatch key: it notes the
-call and its ``Work``, then hands the operator on to the real kernel below autograd. Only
-collectives pass through Python; other operators never see it (a ``TorchDispatchMode``
-would see them all and made a small training step ~3x slower here).
+Runs on the ranks. Every collective -- ``dist.all_reduce`` from the learner's code, DDP's C++
+reducer, FSDP's all-gathers, DTensor's functional collectives -- ends in a ``torch.ops.c10d``
+operator. The tracker registers a thin kernel for those operators at the ``BackendSelect``
+dispatch key, which every call passes just above the backend's own kernel, whatever its
+tensors (one made under ``torch.inference_mode()`` has no autograd key) and whoever calls it
+(C++ included): it notes the call and its ``Work``, then hands the operator on to the backend.
+Only collectives pass through Python; other operators never see it (a ``TorchDispatchMode``
+would see them all and made a small training step ~3x slower here), and a collective traced
+under a fake mode (``torch.compile``) never reaches it.
 
 Point-to-point calls (``send``, ``recv``, ``isend``, ``irecv``) are counted at the Python
 functions instead: a ring calls them by the hundred, and a Python kernel in the dispatcher
 tripled the time of a small isend/irecv pair here (1.0 ms against 0.4 ms), while a plain
 wrapper costs microseconds.
 
-The point-to-point wrappers rebind ``torch.distributed``'s functions, because nothing public
-sees a ``dist.isend`` before it reaches the backend. They are one of the pool's two runtime
-patches of ``torch.distributed``; the other is ``group.py``'s guard on
-``init_process_group``/``destroy_process_group`` (no hook there either). Both are installed
-for one call and the real functions restored after it, so nothing stacks; a wrapper is
-recognised by a marker attribute, so a nested install is a no-op. (The exercise checkers
+**What the rank waits in is recorded, not inferred.** The main thread is *blocked in* an
+operation while it is inside a blocking ``send``/``recv`` call, after a synchronous collective
+it issued (``async_op=False`` is an operator argument: the caller waits for it) until that one
+completes, or inside ``Work.wait()`` on the ``Work`` of an asynchronous operation the learner's
+own code issued (the tracker holds that ``Work`` until it completes, so ``wait()`` is told which
+one it is by identity; PyTorch's own asynchronous ones, DDP's and FSDP's, are not held, so no
+tensor of theirs lives a moment longer). A wait on anything else -- a ``Work`` of an earlier
+call or of PyTorch's, a ``torch.futures.Future``, ``time.sleep`` -- is no communication the
+tracker can follow, and decides nothing.
+
+The point-to-point wrappers are rebound for one call and restored after it, and ``Work.wait``
+too once the learner's code issued an asynchronous operation in the call (so a stack dump of a
+rank waiting in a plain ``dist.all_reduce`` shows PyTorch's frames only); nothing public sees
+either before it reaches the backend. ``group.py``'s guard on
+``init_process_group``/``destroy_process_group`` is the pool's other runtime patch. A wrapper
+is recognised by a marker attribute, so a nested install is a no-op. (The exercise checkers
 patch more, each for one check: ``exercises/observe.py`` in the torchrun workers a checker
 starts, a few try-it checks around one run.)
 
-A collective is *issued* when its operator returns and *in progress* until its ``Work``
-completes: Gloo and NCCL run collectives in the background, and a rank blocks later, in
-``wait()``. So "waiting in" names the oldest collective issued in this call whose work has
-not completed (a collective's future says when; a point-to-point ``Work``, which has no
-future on Gloo, is asked). Counts start again at every call.
-
-Every call also keeps its *traffic*: the messages each rank sent and received, by peer, and
-the collectives it issued, by process group (``traffic()``). The kernel adds them up over
-the ranks and over the calls since the ranks started (``traffic``, in the kernel's process):
-a message no rank received, a receive nothing matched, or a group whose members issued
-different numbers of collectives is still in flight and would be matched by the next call's
-code. After a failed call the pool then starts fresh ranks instead of keeping them; after a
-call that returned it says so.
+Every call also keeps its *traffic*: the messages each rank sent and received, by group and
+peer, and the collectives it issued, by group (``traffic()``), each group named by a
+``wire.Group`` (its ranks, whether it is the default group, its name). The kernel adds them up
+over the ranks and over the calls since the ranks started (``traffic``, in the kernel's
+process): a message no rank received, a receive nothing matched, or a group whose members
+issued different numbers of collectives is still in flight and would be matched by the next
+call's code. After a failed call the pool then starts fresh ranks instead of keeping them;
+after a call that returned it says so.
 
 Whoever wants to see every collective a rank issues -- the course's observers -- listens
 (``TRACKER.listen(fn)``): ``fn(Issued(...))`` is called on the issuing thread right after
@@ -43,13 +52,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import threading
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from ...torch_private import below_autograd, boxed_type_name, source_rank
+from ...torch_private import argument_index, boxed_type_name, keys_below_backend_select, source_rank
 from ..errors import ordinal
+from ..wire import Group, Wait
+from .isolation import is_learners_file
 
 # c10d operator -> the collective's name in torch.distributed (one table for the package: the
 # observers read the name from it, as ``Issued.collective``).
@@ -66,8 +78,10 @@ C10D_OPS = {
     "barrier": "barrier", "monitored_barrier_": "barrier",
 }
 POINT_TO_POINT = ("send", "recv", "isend", "irecv")  # counted at the Python functions
-_DISPATCH_KEYS = ("AutogradCPU", "AutogradCUDA")
-_KEEP = 256  # issued collectives remembered per call (older completed ones are dropped)
+BLOCKING_P2P = ("send", "recv")  # the rank is blocked in these until they return
+_DISPATCH_KEY = "BackendSelect"
+_KEEP = 256  # operations remembered per call (older completed ones are dropped)
+_C10D_FILES = ("distributed_c10d.py", "c10d_logger.py")  # torch.distributed's own frames above a call
 
 
 @dataclass(frozen=True)
@@ -87,75 +101,125 @@ class Issued:
     work: object
 
 
+@dataclass
+class Op:
+    """One communication a rank issued in the current call, as the tracker keeps it.
+
+    ``what``: the ``wire.Wait`` that names it (kind, name, number, group, peer -- None: from any
+    rank, until one sent --, place); ``start``: ``time.perf_counter()`` at the call; ``work``: its
+    ``Work``, held until it completes (so that ``wait()`` on it is recognised), then dropped
+    with its tensors; ``done``: it completed."""
+
+    what: Wait
+    start: float
+    work: object = None
+    done: bool = False
+
+    def completed(self) -> bool:
+        if not self.done and self.work is not None:
+            try:
+                self.done = bool(self.work.is_completed())
+            except Exception:  # noqa: BLE001 -- a Work of a destroyed group
+                self.done = True
+            if self.done:
+                if self.what.kind == "recv" and self.what.peer is None:  # irecv(src=None): who sent it
+                    self.what = replace(self.what, peer=source_rank(self.work))
+                self.work = None
+        return self.done
+
+
+UNKNOWN = "unknown"  # blocked in a wait() on a Work the tracker did not see issued in this call
+
+
 class CollectiveTracker:
-    """Per-rank record of the collectives issued in the current call."""
+    """Per-rank record of the communications issued in the current call, and of the one the
+    main thread is blocked in."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self._library = None
         self._listeners: list = []
+        self._wrap_wait = None  # inside calls(): wraps Work.wait for the rest of the call
+        self.main = threading.main_thread().ident
         self.reset()
 
     def reset(self) -> None:
         """Start counting afresh (the pool calls this at the start of every call)."""
         with self._lock:
             self.counts: dict[str, int] = {}
-            self.issued: list[list] = []  # [name, number, start, completed, p2p Work or None]
-            self.entering: tuple[str, int, float, dict] | None = None  # a call blocking now
-            # this call's traffic; groups are held only until traffic() reads them
-            self._groups: dict[int, object] = {}
-            self._sent: dict[tuple, int] = {}      # (id(group), peer) -> messages
-            self._received: dict[tuple, int] = {}  # (id(group), peer or None: any source) -> messages
-            self._any_source: list = []            # (id(group), Work) of irecv(src=None)
-            self._collectives: dict[int, int] = {}  # id(group) -> collectives issued
+            self.seqs: dict[tuple, int] = {}  # (group, kind, peer) -> operations of that kind there
+            self.ops: list[Op] = []
+            self.blocked: Op | str | None = None  # what the main thread waits in now (UNKNOWN: can't say)
+            self.sync: Op | None = None  # the main thread's last synchronous collective: it waits for it
+            # this call's traffic; the groups it used are held until the next call
+            self._groups: dict[int, tuple[object, Group]] = {}  # id(group) -> (group, its name)
+            self._sent: dict[tuple, int] = {}      # (Group, peer) -> messages
+            self._received: dict[tuple, int] = {}  # (Group, peer or None: any source) -> messages
+            self._any_source: list = []            # (Group, Op) of irecv(src=None)
+            self._collectives: dict[Group, int] = {}  # Group -> collectives issued
 
-    def _note_group(self, group) -> int:
-        if group is None:
-            import torch.distributed as dist
-
-            group = dist.group.WORLD
-        self._groups.setdefault(id(group), group)
-        return id(group)
-
-    def traffic(self) -> dict:
-        """This call's messages and collectives on the groups that still exist, keyed by the
-        group's ranks (global): ``{"sent": {(ranks, dst): n}, "received": {(ranks, src): n},
-        "collectives": {ranks: n}}``; ``src`` None: a receive from any rank still unmatched."""
+    # --- what the kernel asks -------------------------------------------------------------
+    def traffic(self, destroyed: bool = False) -> dict:
+        """This call's messages and collectives, by ``wire.Group``: ``{"sent": {(group, dst): n},
+        "received": {(group, src): n}, "collectives": {group: n}}``; ``src`` None: a receive from
+        any rank still unmatched. Groups destroyed meanwhile count only with ``destroyed``
+        (what they held can never reach another call)."""
         with self._lock:
-            groups, self._groups = self._groups, {}
+            groups = list(self._groups.values())
             sent, received = dict(self._sent), dict(self._received)
             collectives, any_source = dict(self._collectives), list(self._any_source)
-        return _summarise(groups, sent, received, collectives, any_source)
+        gone = set() if destroyed else {name for group, name in groups if not _alive(group)}
+        return _summarise(gone, sent, received, collectives, any_source)
 
-    def waiting(self) -> tuple[dict | None, dict]:
-        """While a call runs (asked from another thread): what this rank waits in -- the call
-        blocking now, else the oldest issued one not completed -- as ``{"kind": "send", "recv"
-        or "collective", "name", "number", "group": its ranks, "peer"}`` (None: nothing), and
-        the call's traffic so far (``traffic()``, the blocking call counted), left in place."""
+    def waiting(self) -> tuple[Wait | None, str, dict]:
+        """While a call runs (asked from another thread): the communication the main thread is
+        blocked in (``wire.Wait``; None: none the tracker can follow, and then a few words on
+        why), and the call's traffic so far, every group counted, left in place."""
         with self._lock:
-            groups = dict(self._groups)
             sent, received = dict(self._sent), dict(self._received)
             collectives, any_source = dict(self._collectives), list(self._any_source)
-            entering, issued = self.entering, list(self.issued)
-        detail = entering[3] if entering else None
-        if detail is None:
-            detail = next((c[5] for c in issued if len(c) > 5 and not _done(c)), None)
-        if entering:  # counted once it returns; it is this rank's, so count it now
-            d = entering[3]
-            if d["kind"] == "collective":
-                collectives[d["gid"]] = collectives.get(d["gid"], 0) + 1
-            elif d["kind"] == "send":
-                sent[(d["gid"], d["peer"])] = sent.get((d["gid"], d["peer"]), 0) + 1
-            elif d["peer"] is not None:
-                received[(d["gid"], d["peer"])] = received.get((d["gid"], d["peer"]), 0) + 1
-        traffic = _summarise(groups, sent, received, collectives, any_source)
-        if detail is None:
-            return None, traffic
-        ranks = _group_ranks(groups.get(detail["gid"]))
-        if ranks is None:
-            return None, traffic
-        return {**{k: v for k, v in detail.items() if k != "gid"}, "group": ranks}, traffic
+            blocked = self._blocked()
+        traffic = _summarise(set(), sent, received, collectives, any_source)
+        if blocked is None:
+            return None, "is not blocked in a communication (computing, or waiting elsewhere)", traffic
+        if blocked == UNKNOWN:
+            return None, "waits in a wait() on a Work the pool did not see issued in this call", traffic
+        if blocked.completed():
+            return None, "is returning from a completed communication", traffic
+        return blocked.what, "", traffic
 
+    def describe(self) -> str:
+        """One line: the communication this rank waits in, else what it has in flight, else its last."""
+        with self._lock:
+            blocked, ops = self._blocked(), list(self.ops)
+        now = time.perf_counter()
+        if isinstance(blocked, Op) and not blocked.completed():
+            what = blocked.what
+            return f"waiting in the {ordinal(what.number)} {what.name} of this call for {now - blocked.start:.1f} s"
+        pending = [op for op in ops if not op.completed()]
+        where = ("waiting in a wait() on a Work the pool did not see issued in this call"
+                 if blocked == UNKNOWN else "not blocked in a communication")
+        if pending:
+            op = pending[0]
+            return (f"{where}; in flight: the {ordinal(op.what.number)} {op.what.name} of this call "
+                    f"(issued {now - op.start:.1f} s ago)")
+        if blocked == UNKNOWN:
+            return where
+        if ops:
+            last = ops[-1].what
+            return f"not in a collective; its last, the {ordinal(last.number)} {last.name} of this call, completed"
+        return "not in a collective; none issued in this call"
+
+    def _blocked(self):
+        """What the main thread waits in: the call it is inside, else its last synchronous
+        collective until that completes (lock held)."""
+        if self.blocked is not None:
+            return self.blocked
+        if self.sync is not None and not self.sync.completed():
+            return self.sync
+        return None
+
+    # --- installing ------------------------------------------------------------------------
     def install(self) -> None:
         """Route the c10d collective operators through the tracker (once per process:
         ``torch.library`` kernels, PyTorch's public way to add one)."""
@@ -170,13 +234,14 @@ class CollectiveTracker:
                 packet = getattr(torch.ops.c10d, op, None)
                 if packet is None or collective in POINT_TO_POINT:
                     continue
-                for key in _DISPATCH_KEYS:
-                    self._library.impl(op, self._kernel(op, collective, packet.default), key)
+                self._library.impl(op, self._kernel(op, collective, packet.default), _DISPATCH_KEY,
+                                   with_keyset=True)
 
     @contextlib.contextmanager
     def calls(self):
-        """Inside: the c10d operators are tracked and ``dist.send``/``recv``/``isend``/``irecv``
-        go through the tracker; afterwards the real functions are back (nested: a no-op)."""
+        """Inside: the c10d operators are tracked, ``dist.send``/``recv``/``isend``/``irecv`` go
+        through the tracker, and ``Work.wait()`` says which operation the main thread waits in;
+        afterwards the real functions are back (nested: a no-op)."""
         import torch.distributed as dist
         import torch.distributed.distributed_c10d as c10d
 
@@ -191,9 +256,13 @@ class CollectiveTracker:
             setattr(c10d, name, wrapped)
             if getattr(dist, name, None) is original:
                 setattr(dist, name, wrapped)
+        original_wait = dist.Work.wait
+        self._wrap_wait = lambda: setattr(dist.Work, "wait", self._wait(original_wait))
         try:
             yield
         finally:
+            self._wrap_wait = None
+            dist.Work.wait = original_wait
             for name, original in saved.items():
                 if getattr(dist, name, None) is getattr(c10d, name):
                     setattr(dist, name, original)
@@ -213,18 +282,76 @@ class CollectiveTracker:
         for fn in list(self._listeners):
             fn(issued)
 
-    def _enter(self, name: str, detail: dict) -> tuple[int, float]:
-        """Note that ``name`` starts; ``detail``: what it waits for (see ``waiting``)."""
-        with self._lock:
-            number, start = self.counts.get(name, 0) + 1, time.perf_counter()
-            self.counts[name] = number
-            detail["number"] = number
-            self.entering = (name, number, start, detail)
-        return number, start
+    # --- recording --------------------------------------------------------------------------
+    def _group(self, group) -> Group:
+        """The ``wire.Group`` of a process group (None: the default one), noted for traffic()."""
+        import torch.distributed as dist
 
-    def _leave(self) -> None:
-        with self._lock:
-            self.entering = None
+        if group is None:
+            group = dist.group.WORLD
+        known = self._groups.get(id(group))
+        if known is None:
+            name = Group(tuple(dist.get_process_group_ranks(group)), group is dist.group.WORLD,
+                         str(getattr(group, "group_name", "")))
+            known = self._groups[id(group)] = (group, name)
+        return known[1]
+
+    def _issue(self, kind: str, name: str, group, peer) -> Op:
+        """Note an operation as it is called (lock held): its number, place and traffic."""
+        g = self._group(group)
+        number = self.counts[name] = self.counts.get(name, 0) + 1
+        key = (g, kind, peer)
+        seq = self.seqs[key] = self.seqs.get(key, 0) + 1
+        op = Op(Wait(kind, name, number, g, peer, seq), time.perf_counter())
+        if kind == "collective":
+            self._collectives[g] = self._collectives.get(g, 0) + 1
+        elif kind == "send":
+            self._sent[(g, peer)] = self._sent.get((g, peer), 0) + 1
+        elif peer is None:
+            self._any_source.append((g, op))
+        else:
+            self._received[(g, peer)] = self._received.get((g, peer), 0) + 1
+        self.ops.append(op)
+        if len(self.ops) > _KEEP:
+            self.ops = [o for o in self.ops if not o.completed()][-_KEEP:] or self.ops[-1:]
+        return op
+
+    def _withdraw(self, op: Op) -> None:
+        """An operation whose call raised: nothing was sent or posted (lock held)."""
+        what = op.what
+        counter = {"collective": self._collectives, "send": self._sent, "recv": self._received}[what.kind]
+        key = what.group if what.kind == "collective" else (what.group, what.peer)
+        if what.kind == "recv" and what.peer is None:
+            self._any_source = [(g, o) for g, o in self._any_source if o is not op]
+        elif counter.get(key):
+            counter[key] -= 1
+        op.done, op.work = True, None
+
+    @contextlib.contextmanager
+    def _blocking(self, op):
+        """The main thread is blocked in ``op`` (an ``Op`` or UNKNOWN) inside; other threads and a
+        wait inside a wait (``dist.send`` waits on its own Work) change nothing."""
+        if threading.get_ident() != self.main or self.blocked is not None:
+            yield
+            return
+        self.blocked = op
+        try:
+            yield
+        finally:
+            self.blocked = None
+
+    def _wait(self, original):
+        @functools.wraps(original)
+        def wait(work, *args, **kwargs):
+            if threading.get_ident() != self.main:
+                return original(work, *args, **kwargs)
+            with self._lock:
+                op = next((o for o in self.ops if o.work is work), None)
+            with self._blocking(op if op is not None else UNKNOWN):
+                return original(work, *args, **kwargs)
+
+        wait._dpcourse_wrapped = True
+        return wait
 
     def _p2p(self, name: str, fn):
         @functools.wraps(fn)
@@ -241,116 +368,126 @@ class CollectiveTracker:
             tensor, peer, group = _p2p_args(name, args, kwargs)
             kind = "send" if "send" in name else "recv"
             with self._lock:
-                gid = self._note_group(group)
-            detail = {"kind": kind, "name": name, "gid": gid, "peer": peer}
-            number, start = self._enter(name, detail)
+                op = self._issue(kind, name, group, peer)
+            if name not in BLOCKING_P2P:
+                self._waits_need_telling()
             try:
-                work = fn(*args, **kwargs)  # send/recv block; isend/irecv return a Work
-            finally:
-                self._leave()
-            if peer is None and isinstance(work, int):  # recv(src=None) returns the sender
-                peer = detail["peer"] = work
+                with self._blocking(op if name in BLOCKING_P2P else None):
+                    work = fn(*args, **kwargs)  # send/recv block; isend/irecv return a Work
+            except BaseException:
+                with self._lock:
+                    self._withdraw(op)
+                raise
             with self._lock:
-                for entry in self.issued:  # let go of the Works that have completed
-                    if entry[4] is not None and entry[4].is_completed():
-                        entry[3], entry[4] = True, None
-                # send returns None and recv the sender's rank (an int): both have completed
-                pending = work if hasattr(work, "is_completed") else None
-                self.issued.append([name, number, start, pending is None, pending, detail])
-                if kind == "send":
-                    self._sent[(gid, peer)] = self._sent.get((gid, peer), 0) + 1
-                elif peer is None and pending is not None:
-                    self._any_source.append((gid, pending))
-                else:
-                    self._received[(gid, peer)] = self._received.get((gid, peer), 0) + 1
-                if len(self.issued) > _KEEP:
-                    self.issued = [e for e in self.issued if not e[3]][-_KEEP:] or self.issued[-1:]
+                if peer is None and isinstance(work, int):  # recv(src=None) returns the sender
+                    self._any_source = [(g, o) for g, o in self._any_source if o is not op]
+                    op.what = replace(op.what, peer=work)
+                    self._received[(op.what.group, work)] = self._received.get((op.what.group, work), 0) + 1
+                if hasattr(work, "is_completed"):  # isend/irecv: a Work, held until it completes
+                    op.work = work
+                else:  # send returns None and recv the sender's rank: both have completed
+                    op.done = True
             if self._listeners:
-                self._tell(Issued(name, kind, (tensor, peer, group), start, work))
+                self._tell(Issued(name, kind, (tensor, peer, group), op.start, work))
             return work
 
         return tracked
 
+    def _waits_need_telling(self) -> None:
+        """The learner's code issued an asynchronous operation: from now on in this call,
+        ``Work.wait()`` says which operation the main thread waits in."""
+        if threading.get_ident() != self.main:
+            return
+        wrap, self._wrap_wait = self._wrap_wait, None
+        if wrap is not None:
+            wrap()
+
     def _kernel(self, op_name: str, collective: str, op):
-        def tracked(*args, **kwargs):
+        below = keys_below_backend_select()
+        asynchronous = argument_index(op, "async_op")
+
+        def tracked(keyset, *args, **kwargs):
             group = next((g for g in map(process_group, args) if g is not None), None)
+            is_async = kwargs.get("async_op", args[asynchronous] if asynchronous is not None
+                                  and asynchronous < len(args) else True)
             with self._lock:
-                gid = self._note_group(group)
-            detail = {"kind": "collective", "name": collective, "gid": gid, "peer": None}
-            number, start = self._enter(collective, detail)
+                issued = self._issue("collective", collective, group, None)
             try:
-                with below_autograd():
-                    result = op(*args, **kwargs)
-            finally:
-                self._leave()
+                with self._blocking(issued):  # a collective that blocks in the call (monitored_barrier)
+                    result = op.redispatch(keyset & below, *args, **kwargs)
+            except BaseException:
+                with self._lock:
+                    self._withdraw(issued)
+                raise
             work = result[-1] if isinstance(result, tuple) else result
-            with self._lock:
-                self._collectives[gid] = self._collectives.get(gid, 0) + 1
-            self._issued(collective, number, start, work, detail)
+            if threading.get_ident() != self.main:
+                when_complete(work, lambda _future: _complete(issued))
+            elif not is_async:
+                self.sync = issued  # its caller waits for it now
+                when_complete(work, lambda _future: _complete(issued))
+            elif _from_learners_code():
+                self._hold(issued, work)
+                self._waits_need_telling()
+            else:  # PyTorch's own (DDP's, FSDP's): their Works are not held
+                when_complete(work, lambda _future: _complete(issued))
             if self._listeners:
-                self._tell(Issued(op_name, collective, args, start, work))
+                self._tell(Issued(op_name, collective, args, issued.start, work))
             return result
 
         return tracked
 
-    def _issued(self, collective: str, number: int, start: float, work, detail: dict) -> None:
-        # Only a completion flag is kept, set by the work's future: holding the Work itself
-        # would keep its tensors alive (FSDP's freed gradients, say) for the rest of the call.
-        entry = [collective, number, start, False, None, detail]
-        with self._lock:
-            self.issued.append(entry)
-            if len(self.issued) > _KEEP:
-                self.issued = [e for e in self.issued if not e[3]][-_KEEP:] or self.issued[-1:]
-        when_complete(work, lambda _future: entry.__setitem__(3, True))
+    def _hold(self, issued: Op, work) -> None:
+        """Keep the collective's Work until it completes (its future says when), then let go of it
+        with its tensors; ``wait()`` on it is then recognised."""
+        import torch.distributed as dist
 
-    def describe(self) -> str:
-        """One line: the collective this rank waits in, or the last one it issued."""
-        with self._lock:
-            entering, issued = self.entering, list(self.issued)
-        now = time.perf_counter()
-        waiting = entering[:3] if entering else None
-        if waiting is None:
-            waiting = next((tuple(c[:3]) for c in issued if not _done(c)), None)
-        if waiting is not None:
-            name, number, start = waiting
-            return f"waiting in the {ordinal(number)} {name} of this call for {now - start:.1f} s"
-        if issued:
-            name, number = issued[-1][:2]
-            return f"not in a collective; its last, the {ordinal(number)} {name} of this call, completed"
-        return "not in a collective; none issued in this call"
+        try:
+            held = work if isinstance(work, dist.Work) else dist.Work.unbox(work)
+        except Exception:  # noqa: BLE001 -- an operator without a Work
+            held = None
+        issued.work = held
+        when_complete(held, lambda _future: _complete(issued))
 
 
-def _group_ranks(group) -> tuple | None:
-    """A group's ranks (global), or None for a group destroyed meanwhile."""
+def _from_learners_code() -> bool:
+    """Whether the collective being issued was called by the learner's code (the first frame
+    above torch.distributed's own functions), not by PyTorch's (DDP, FSDP, DTensor)."""
+    frame = inspect.currentframe()
+    while frame is not None and (frame.f_code.co_filename.endswith(_C10D_FILES)
+                                 or frame.f_code.co_filename == __file__):
+        frame = frame.f_back
+    return frame is not None and is_learners_file(frame.f_code.co_filename)
+
+
+def _complete(op: Op) -> None:
+    op.done, op.work = True, None
+
+
+def _alive(group) -> bool:
+    """Whether a process group still exists (not destroyed in the call)."""
     import torch.distributed as dist
 
-    if group is None:
-        return None
     try:
-        return tuple(dist.get_process_group_ranks(group))
-    except Exception:  # destroyed in the call (a script's group): its traffic went with it
-        return None
+        dist.get_process_group_ranks(group)
+        return True
+    except Exception:  # noqa: BLE001 -- destroyed (a script's group): its traffic went with it
+        return False
 
 
-def _summarise(groups: dict, sent: dict, received: dict, collectives: dict, any_source: list) -> dict:
-    """Counts by group id turned into counts by the groups' ranks (see ``traffic``)."""
-    for gid, work in any_source:
-        try:
-            peer = source_rank(work) if work.is_completed() else None
-        except Exception:
-            peer = None
-        received[(gid, peer)] = received.get((gid, peer), 0) + 1
-    alive = {gid: ranks for gid, ranks in ((g, _group_ranks(grp)) for g, grp in groups.items())
-             if ranks is not None}
+def _summarise(gone: set, sent: dict, received: dict, collectives: dict, any_source: list) -> dict:
+    """Counts by ``wire.Group`` (see ``traffic``), without the groups in ``gone``."""
+    received = dict(received)
+    for g, op in any_source:
+        peer = op.what.peer if op.completed() else None
+        received[(g, peer)] = received.get((g, peer), 0) + 1
     out: dict = {"sent": {}, "received": {}, "collectives": {}}
     for name, table in (("sent", sent), ("received", received)):
-        for (gid, peer), n in table.items():
-            if gid in alive:
-                key = (alive[gid], peer)
-                out[name][key] = out[name].get(key, 0) + n
-    for gid, n in collectives.items():
-        if gid in alive:
-            out["collectives"][alive[gid]] = out["collectives"].get(alive[gid], 0) + n
+        for (g, peer), n in table.items():
+            if g not in gone and n:
+                out[name][(g, peer)] = out[name].get((g, peer), 0) + n
+    for g, n in collectives.items():
+        if g not in gone and n:
+            out["collectives"][g] = n
     return out
 
 
@@ -380,15 +517,6 @@ def process_group(arg):
 
 _inside = threading.local()  # .p2p: a tracked point-to-point call is running on this thread
 TRACKER = CollectiveTracker()  # one per process: the pool's rank and every observer share it
-
-
-def _done(entry: list) -> bool:
-    if not entry[3] and entry[4] is not None:
-        try:
-            entry[3] = bool(entry[4].is_completed())
-        except Exception:  # a Work of a destroyed group
-            entry[3] = True
-    return entry[3]
 
 
 def when_complete(work, callback) -> None:
