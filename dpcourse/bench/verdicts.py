@@ -301,6 +301,9 @@ def _pool_rows(cluster_class, n, method, cases, paths, timeout, captured) -> lis
                 took = time.monotonic() - start
                 rows.append((case + " (run)", f"pool {method}", n, "returned", took,
                              f"{len(set(got))} different numbers on {n} ranks"))
+            if case in _AS_CALLS:  # the same code as cluster.run, where a returned rank's group lives on
+                outcome, took, message = _call(cluster, _AS_CALLS[case], timeout, captured.read)
+                rows.append((case + " (run)", f"pool {method}", n, outcome, took, _first_line(message)))
             repeats = 2 if case in ("fresh", "helpers") else 1
             output, outcome, took, message = "", "", 0.0, ""
             for _ in range(repeats):
@@ -311,6 +314,49 @@ def _pool_rows(cluster_class, n, method, cases, paths, timeout, captured) -> lis
         outcome, took, _ = _orphans(n, method)
         rows.append(("orphans", f"pool {method}", n, outcome, took, "after the kernel's kill -9, 5 s"))
     return rows
+
+
+def _call(cluster, fn, timeout: float, capture) -> tuple[str, float, str]:
+    start = time.monotonic()
+    try:
+        got = cluster.run(fn, timeout=timeout)
+        outcome, message = "returned", f"returned {got}"
+    except Exception as err:  # noqa: BLE001 -- the outcome is what is measured
+        outcome, message = type(err).__name__, str(err)
+    took = time.monotonic() - start
+    capture()
+    return outcome, took, message
+
+
+def _inference_all_reduce_alone():
+    import torch
+    import torch.distributed as dist
+
+    with torch.inference_mode():
+        t = torch.ones(1)
+    if dist.get_rank() == 0:
+        dist.all_reduce(t)
+
+
+def _irecv_then_a_future():
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    rank, buf = dist.get_rank(), torch.zeros(1)
+    if rank > 1:
+        return None
+    req = dist.irecv(buf, src=1 - rank)
+    done = torch.futures.Future()
+    threading.Timer(2.0, done.set_result, args=(None,)).start()
+    done.wait()
+    dist.send(torch.full((1,), float(rank)), dst=1 - rank)
+    req.wait()
+    return buf.item()
+
+
+_AS_CALLS = {"inference": _inference_all_reduce_alone, "future": _irecv_then_a_future}
 
 
 def _draw():

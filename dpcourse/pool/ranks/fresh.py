@@ -172,6 +172,9 @@ def _restore_logging(state: dict) -> None:
     kept = {id(h) for _, handlers, *_ in [state["root"], *state["loggers"].values()] for h in handlers}
 
     def put(lg, level, handlers, filters, propagate, disabled):
+        if (lg.level, lg.handlers, lg.filters, lg.propagate, lg.disabled) == (level, handlers, filters,
+                                                                               propagate, disabled):
+            return  # as it was (setLevel would clear every logger's cache: hundreds of them)
         for handler in lg.handlers:
             if id(handler) not in kept:
                 with contextlib.suppress(Exception):
