@@ -178,12 +178,16 @@ class Call:
 
     def _left_in_flight(self) -> list[str]:
         """Messages or collectives still in flight once every rank has replied, counted over
-        the calls since the ranks started (a send in one call may meet its receive in the next)."""
+        the calls since the ranks started (a send in one call may meet its receive in the next).
+        While a rank's threads of the learner's still run, they may still send: what is in
+        flight is carried, and said only once it is certain."""
         if len(self.traffic) < self.world_size or None in self.traffic.values():
             return []  # a rank died (restarted anyway), or its traffic is unknown
         total = add_traffic(self.outcome.carried, self.traffic)
         left = in_flight(total)
         self.outcome.carried = total if left else {}
+        if any(self.threads.values()):
+            return []
         return left
 
     def _report(self, rank: int, reply: wire.Reply | None, rejoining: bool = False) -> RankReport:

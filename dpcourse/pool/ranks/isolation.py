@@ -74,12 +74,16 @@ def is_learners_file(filename: str) -> bool:
 def learner_threads() -> list[str]:
     """Names of the rank's live threads that run the learner's code, besides the main thread and
     the pool's own (``dpcourse-...``): their function is the learner's, or the learner's code is on
-    their stack now."""
+    their stack now. The main thread's frames are never taken: held here a moment, they would
+    keep its locals (tensors) alive past their time."""
+    others = [t for t in threading.enumerate() if t is not threading.main_thread()
+              and not t.name.startswith("dpcourse-") and t.is_alive()]
+    if not others:
+        return []
     frames = sys._current_frames()
+    frames.pop(threading.main_thread().ident, None)
     found = []
-    for thread in threading.enumerate():
-        if thread is threading.main_thread() or thread.name.startswith("dpcourse-") or not thread.is_alive():
-            continue
+    for thread in others:
         entries = [thread_target(thread), getattr(thread, "function", None)]  # a Timer's function
         if type(thread).run is not threading.Thread.run:
             entries.append(type(thread).run)

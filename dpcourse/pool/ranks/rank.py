@@ -78,6 +78,7 @@ class Rank:
         self.group = PoolGroup(spec["backend"], rank, spec["world_size"])
         self.group.init(spec["port"])
         self.tracker.install()
+        self.tracker.keep_point_to_point()
         device = rank_device()
         # __name__ == "__main__": a cell's `if __name__ == "__main__":` block runs, as in a script.
         self.namespace.update(__name__="__main__", torch=torch, dist=dist, rank=rank,

@@ -26,8 +26,9 @@ tensor of theirs lives a moment longer). A wait on anything else -- a ``Work`` o
 call or of PyTorch's, a ``torch.futures.Future``, ``time.sleep`` -- is no communication the
 tracker can follow, and decides nothing.
 
-The point-to-point wrappers are rebound for one call and restored after it, and ``Work.wait``
-too once the learner's code issued an asynchronous operation in the call (so a stack dump of a
+The point-to-point wrappers are rebound for a rank's life (what a thread of the learner's sends
+between two calls counts too; elsewhere, for one ``calls()``), and ``Work.wait`` for the rest of
+a call once the learner's code issued an asynchronous operation in it (so a stack dump of a
 rank waiting in a plain ``dist.all_reduce`` shows PyTorch's frames only); nothing public sees
 either before it reaches the backend. ``group.py``'s guard on
 ``init_process_group``/``destroy_process_group`` is the pool's other runtime patch. A wrapper
@@ -140,34 +141,44 @@ class CollectiveTracker:
         self._library = None
         self._listeners: list = []
         self._wrap_wait = None  # inside calls(): wraps Work.wait for the rest of the call
+        self._in_call = False  # inside calls() (its nested uses change nothing)
         self.main = threading.main_thread().ident
+        self._clear_traffic()
         self.reset()
 
     def reset(self) -> None:
-        """Start counting afresh (the pool calls this at the start of every call)."""
+        """Number afresh (the pool calls this at the start of every call): "the 3rd all_reduce of
+        this call". The traffic is not reset here: what a thread of the learner's sends between
+        two calls counts in the next one's (``traffic()`` hands it over and starts again)."""
         with self._lock:
             self.counts: dict[str, int] = {}
             self.seqs: dict[tuple, int] = {}  # (group, kind, peer) -> operations of that kind there
             self.ops: list[Op] = []
             self.blocked: Op | str | None = None  # what the main thread waits in now (UNKNOWN: can't say)
             self.sync: Op | None = None  # the main thread's last synchronous collective: it waits for it
-            # this call's traffic; the groups it used are held until the next call
-            self._groups: dict[int, tuple[object, Group]] = {}  # id(group) -> (group, its name)
-            self._sent: dict[tuple, int] = {}      # (Group, peer) -> messages
-            self._received: dict[tuple, int] = {}  # (Group, peer or None: any source) -> messages
-            self._any_source: list = []            # (Group, Op) of irecv(src=None)
-            self._collectives: dict[Group, int] = {}  # Group -> collectives issued
+
+    def _clear_traffic(self) -> None:
+        """Traffic since the last ``traffic()``; the groups it used are held until then."""
+        self._groups: dict[int, tuple[object, Group]] = {}  # id(group) -> (group, its name)
+        self._sent: dict[tuple, int] = {}      # (Group, peer) -> messages
+        self._received: dict[tuple, int] = {}  # (Group, peer or None: any source) -> messages
+        self._any_source: list = []            # (Group, Op) of irecv(src=None)
+        self._collectives: dict[Group, int] = {}  # Group -> collectives issued
 
     # --- what the kernel asks -------------------------------------------------------------
     def traffic(self, destroyed: bool = False) -> dict:
-        """This call's messages and collectives, by ``wire.Group``: ``{"sent": {(group, dst): n},
-        "received": {(group, src): n}, "collectives": {group: n}}``; ``src`` None: a receive from
-        any rank still unmatched. Groups destroyed meanwhile count only with ``destroyed``
-        (what they held can never reach another call)."""
+        """The messages and collectives since the last reading (this call's), by ``wire.Group``:
+        ``{"sent": {(group, dst): n}, "received": {(group, src): n}, "collectives": {group: n}}``;
+        ``src`` None: a receive from any rank still unmatched. Then counting starts again. With
+        ``destroyed`` -- what a script's end tells, while the call goes on -- the groups destroyed
+        meanwhile count too and nothing is reset; without, they do not count (what they held can
+        never reach another call)."""
         with self._lock:
             groups = list(self._groups.values())
             sent, received = dict(self._sent), dict(self._received)
             collectives, any_source = dict(self._collectives), list(self._any_source)
+            if not destroyed:
+                self._clear_traffic()
         gone = set() if destroyed else {name for group, name in groups if not _alive(group)}
         return _summarise(gone, sent, received, collectives, any_source)
 
@@ -241,14 +252,38 @@ class CollectiveTracker:
     def calls(self):
         """Inside: the c10d operators are tracked, ``dist.send``/``recv``/``isend``/``irecv`` go
         through the tracker, and ``Work.wait()`` says which operation the main thread waits in;
-        afterwards the real functions are back (nested: a no-op)."""
+        afterwards the real functions are back (nested: a no-op). On a rank the point-to-point
+        wrappers stay for its life (``keep_point_to_point``)."""
+        import torch.distributed as dist
+
+        self.install()
+        if self._in_call:
+            yield
+            return
+        self._in_call = True
+        restore = self._wrap_point_to_point()
+        original_wait = dist.Work.wait
+        self._wrap_wait = lambda: setattr(dist.Work, "wait", self._wait(original_wait))
+        try:
+            yield
+        finally:
+            self._in_call, self._wrap_wait = False, None
+            dist.Work.wait = original_wait
+            restore()
+
+    def keep_point_to_point(self) -> None:
+        """Track ``send``/``recv``/``isend``/``irecv`` for the life of this process (a rank: what a
+        thread of the learner's sends between two calls counts in the next one's traffic)."""
+        self._wrap_point_to_point()
+
+    def _wrap_point_to_point(self):
+        """Rebind the point-to-point functions to the tracker's; returns what undoes it (nothing
+        when they already are)."""
         import torch.distributed as dist
         import torch.distributed.distributed_c10d as c10d
 
-        self.install()
         if getattr(c10d.isend, "_dpcourse_wrapped", False):
-            yield
-            return
+            return lambda: None
         saved = {name: getattr(c10d, name) for name in POINT_TO_POINT}
         for name, original in saved.items():
             wrapped = self._p2p(name, original)
@@ -256,17 +291,14 @@ class CollectiveTracker:
             setattr(c10d, name, wrapped)
             if getattr(dist, name, None) is original:
                 setattr(dist, name, wrapped)
-        original_wait = dist.Work.wait
-        self._wrap_wait = lambda: setattr(dist.Work, "wait", self._wait(original_wait))
-        try:
-            yield
-        finally:
-            self._wrap_wait = None
-            dist.Work.wait = original_wait
+
+        def restore():
             for name, original in saved.items():
                 if getattr(dist, name, None) is getattr(c10d, name):
                     setattr(dist, name, original)
                 setattr(c10d, name, original)
+
+        return restore
 
     @contextlib.contextmanager
     def listen(self, fn):
