@@ -2,7 +2,7 @@
 fresh ranks, and every checker's verdict is read back item by item.
 
     python -m dpcourse.grade submissions/             # every .ipynb below the folder
-    python -m dpcourse.grade A.ipynb B.ipynb --json   # one record per notebook, for a gradebook
+    python -m dpcourse.grade A.ipynb B.ipynb --json   # JSON Lines: one record per notebook, for a gradebook
 
 Each notebook runs in a temporary copy of its folder (a submission's ``%%writefile`` and the
 files beside it, e.g. ``train_single.py``, stay its own), each cell with a time limit; a
@@ -11,6 +11,23 @@ stopped) and the others still run.
 A check cell's report carries its verdict as data (``Report.to_dict``, under ``report.MIME``),
 so nothing is parsed from printed text. Needs nbclient and ipykernel (the course's ``dev``
 extra).
+
+Exit status:
+  0  every notebook ran and every check in it passed
+  1  a judged item failed, or a notebook raised, hung, killed its kernel or ran no check at all
+  2  the command line was wrong: a path that is neither a notebook nor a folder, or no
+     notebook at all
+  3  nothing failed, but not all was judged: a check not attempted (an untouched starter), or
+     an item not judged (e.g. a prediction not written yet)
+
+The table has a row per item; its "reference" column says "used" on the rows of a check that
+saw a reference solution read before or while it judged (by dpc.exercises.solution,
+report.fix() or the learner's own code), blank otherwise: the verdict stands, for an
+instructor to weigh. --json writes JSON Lines instead: one compact JSON object per notebook, on
+a line of its own as soon as that notebook is graded:
+  {"notebook", "seconds", "error", "used_reference", "reports": [...]}
+with "used_reference" true when any of its reports used one, and each report as the check
+gave it: {"title", "attempted", "passed", "used_reference", "references", "items": [...]}.
 """
 from __future__ import annotations
 
@@ -27,6 +44,7 @@ from pathlib import Path
 from .exercises.report import MIME
 
 TIMEOUT = 600.0  # seconds one cell may run
+PASSED, FAILED, USAGE, INCOMPLETE = 0, 1, 2, 3  # exit statuses (the module's docstring)
 
 
 def notebooks_in(paths: list[str]) -> list[Path]:
@@ -79,43 +97,86 @@ def grade(path: Path, timeout: float = TIMEOUT) -> dict:
             "reports": reports}
 
 
-def rows(result: dict) -> list[tuple[str, str, str, str]]:
-    """(notebook, check, item, status) per item; status "passed", "failed", "not judged" or
-    "not attempted"; one row for a notebook without any report."""
+HEADER = ("notebook", "check", "item", "reference", "status")
+
+
+def rows(result: dict) -> list[tuple[str, str, str, str, str]]:
+    """(notebook, check, item, reference, status) per item; reference "used" when the check
+    saw a reference read (``Report.used_reference``), else ""; status "passed", "failed", "not
+    judged" or "not attempted"; one row for a notebook without any report."""
     name, out = Path(result["notebook"]).name, []
     words = {"pass": "passed", "fail": "failed", "skip": "not judged"}
     for report in result["reports"]:
+        used = "used" if report.get("used_reference") else ""
         if not report["attempted"]:
-            out.append((name, report["title"], "-", "not attempted"))
+            out.append((name, report["title"], "-", used, "not attempted"))
         for item in report["items"]:
-            out.append((name, report["title"], item["name"], words[item["status"]]))
+            out.append((name, report["title"], item["name"], used, words[item["status"]]))
     if not result["reports"]:
-        out.append((name, "-", "-", f"no check ran ({result['error'] or 'no check cell'})"))
+        out.append((name, "-", "-", "", f"no check ran ({result['error'] or 'no check cell'})"))
     elif result["error"]:
-        out.append((name, "-", "-", f"error: {result['error']}"))
+        out.append((name, "-", "-", "", f"error: {result['error']}"))
     return out
 
 
+def render(results: list[dict]) -> list[str]:
+    """The table: a header line, then ``rows`` of every result, in columns (status last, whole)."""
+    table = [row for result in results for row in rows(result)]
+    widths = [max(len(r[i]) for r in table + [HEADER]) for i in range(4)]
+    widths = [min(w, limit) for w, limit in zip(widths, (34, 28, 70, 9))]
+    return ["  ".join(cell[:w].ljust(w) for cell, w in zip(row, widths)) + "  " + row[4]
+            for row in [HEADER] + table]
+
+
+def record(result: dict) -> dict:
+    """A notebook's JSON record: ``grade``'s result, with "used_reference" true when any of
+    its reports used a reference (each report keeps its own "used_reference" and "references")."""
+    used = any(report.get("used_reference") for report in result["reports"])
+    return {**{k: v for k, v in result.items() if k != "reports"}, "used_reference": used,
+            "reports": result["reports"]}
+
+
+def exit_status(results: list[dict]) -> int:
+    """FAILED when an item failed or a notebook raised, hung, killed its kernel or ran no
+    check; else INCOMPLETE when a check was not attempted, judged no item or left one not
+    judged; else PASSED."""
+    incomplete = False
+    for result in results:
+        if result["error"] or not result["reports"]:
+            return FAILED
+        for report in result["reports"]:
+            if any(item["status"] == "fail" for item in report["items"]):
+                return FAILED
+            if not report["attempted"] or not report["items"] or any(
+                    item["status"] != "pass" for item in report["items"]):
+                incomplete = True
+    return INCOMPLETE if incomplete else PASSED
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dpcourse.grade", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m dpcourse.grade", description=__doc__.split("\n\n")[0],
+                                     epilog=__doc__[__doc__.index("Exit status:"):],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("paths", nargs="+", help="exercise notebooks, or folders of them")
-    parser.add_argument("--json", action="store_true", help="one JSON record per notebook, on stdout")
+    parser.add_argument("--json", action="store_true",
+                        help="JSON Lines on stdout: one JSON object per notebook per line, as each finishes")
     parser.add_argument("--timeout", type=float, default=TIMEOUT, help="seconds one cell may run (default %(default)s)")
     args = parser.parse_args(argv)
+    try:
+        paths = notebooks_in(args.paths)
+    except SystemExit as refused:
+        parser.error(str(refused).removeprefix("error: "))   # exits with USAGE
+    if not paths:
+        parser.error(f"no notebook (.ipynb) in {', '.join(args.paths)}")
     results = []
-    for path in notebooks_in(args.paths):
+    for path in paths:
         print(f"grading {path} ...", file=sys.stderr, flush=True)
         results.append(grade(path, args.timeout))
-    if args.json:
-        json.dump(results, sys.stdout, indent=1)
-        print()
-        return 0
-    table = [row for result in results for row in rows(result)]
-    widths = [max(len(r[i]) for r in table + [("notebook", "check", "item", "status")]) for i in range(3)]
-    widths = [min(w, limit) for w, limit in zip(widths, (34, 28, 70))]
-    for row in [("notebook", "check", "item", "status")] + table:
-        print("  ".join(cell[:w].ljust(w) for cell, w in zip(row, widths)) + "  " + row[3])
-    return 0
+        if args.json:
+            print(json.dumps(record(results[-1]), separators=(",", ":")), flush=True)
+    if not args.json:
+        print("\n".join(render(results)), flush=True)
+    return exit_status(results)
 
 
 if __name__ == "__main__":

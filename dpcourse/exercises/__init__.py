@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import os
 
+from . import provenance
 from .exercise_a import check_a
 from .exercise_d import check_d
 from .exercise_f import check_f
 from .selfcheck import check_answer
+
+provenance.install()  # a reference's file read in this kernel, by any route, is recorded
 
 # files in solutions/: A's and F's are complete scripts, conversions of starters/train_lm.py
 SOLUTION_FILES = {"A": "train_lm_ddp.py", "B": "setups_b.py", "C": "configs_c.py", "D": "ring_d.py",
@@ -29,14 +32,16 @@ SOLUTION_FILES = {"A": "train_lm_ddp.py", "B": "setups_b.py", "C": "configs_c.py
 def solution(exercise: str) -> str:
     """The reference solution of ``exercise`` ("A" to "F", or a try-it's name such as
     "no_sync"), as source text (print it to read it)."""
-    from . import tryits
+    from . import provenance, tryits
 
     key = exercise.upper()
     if exercise in tryits.load_all():
+        provenance.shown(exercise)   # an instructor sees it in the reports that follow
         return tryits.reference(exercise)
     if key not in SOLUTION_FILES:
         raise ValueError(f"no exercise {exercise!r}; choose one of {sorted(SOLUTION_FILES)} "
                          f"or a try-it: {', '.join(sorted(tryits.load_all()))}")
+    provenance.shown(key)
     with open(os.path.join(os.path.dirname(__file__), "solutions", SOLUTION_FILES[key])) as f:
         return f.read()
 

@@ -34,6 +34,15 @@ class Report:
     attempted: bool = True
     note: str = ""
     key: str = ""
+    # the references this check saw used: keys ("A", "no_sync", ...) whose reference text was
+    # read before or during the check, by the learner's code or on request (``provenance``)
+    references: list[str] = field(default_factory=list)
+
+    @property
+    def used_reference(self) -> bool:
+        """True when a reference was read before or while the judged code ran: the verdict
+        stands, and an instructor sees it (the report's last line, the grader's column)."""
+        return bool(self.references)
 
     @property
     def passed(self) -> bool:
@@ -68,13 +77,21 @@ class Report:
             lines.append(f"  {MARKS[i.status]} {i.name}" + (f": {i.detail}" if i.detail else ""))
         if self.note and self.attempted:
             lines.append(self.note)
+        if self.used_reference:
+            lines.append(self.reference_line())
         return "\n".join(lines)
+
+    def reference_line(self) -> str:
+        from .provenance import describe
+
+        return f"Used the reference: {describe(self.references)}."
 
     __repr__ = __str__  # what a notebook shows as text, and what a terminal prints
 
     def to_dict(self) -> dict:
         """The verdict as data: title, attempted, passed, and each item's name and status."""
         return {"title": self.title, "attempted": self.attempted, "passed": self.passed,
+                "used_reference": self.used_reference, "references": list(self.references),
                 "items": [{"name": i.name, "status": i.status} for i in self.items]}
 
     def _repr_mimebundle_(self, include=None, exclude=None) -> dict:
@@ -89,7 +106,8 @@ class Report:
             f"<td style='text-align:left'>{html.escape(i.detail)}</td></tr>" for i in self.items)
         table = f"<table>{rows}</table>" if rows else ""
         note = f"<p>{html.escape(self.note)}</p>" if self.note and self.attempted else ""
-        return f"<p><b>{html.escape(self.verdict())}</b></p>{table}{note}"
+        used = f"<p><b>{html.escape(self.reference_line())}</b></p>" if self.used_reference else ""
+        return f"<p><b>{html.escape(self.verdict())}</b></p>{table}{note}{used}"
 
 
 class Reference(str):

@@ -1,0 +1,186 @@
+"""Which references a judged answer was near: read on request, read by the learner's code.
+
+A check judges behaviour; where the answer came from is another question, which an instructor
+must be able to ask. So every route to a reference's text leaves a record in the process that
+took it:
+
+* ``dpc.exercises.solution(key)`` and ``report.fix()`` (``shown``);
+* opening a reference's file in ``solutions/`` -- ``open``, ``import``, ``runpy``, reading it
+  with ``inspect`` or ``importlib.resources`` -- seen by an audit hook (``install``), which
+  every process a check runs code in installs: the kernel, the pool's ranks (``take`` on
+  them), and torchrun's workers (the checker's ``sitecustomize`` writes them to ``LOG``).
+
+A report lists the references read in its kernel before or while it judged: its own key when
+it was read at any time before, any key read while its code ran, in any of those processes.
+The verdict stands; ``Report.used_reference`` and the grader's column say it. What no process
+can see -- text pasted from another machine -- is not flagged, except for exercises A and F,
+whose scripts are compared with the reference line by line (``embeds``).
+"""
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SOLUTIONS = os.path.join(HERE, "solutions")
+LOG = "references.rank{rank}"   # in a torchrun worker's observe folder: one key per line
+
+_read: dict[str, float] = {}      # key -> the last time a reference was read in this process
+_taken: set[str] = set()          # keys read since the last ``take`` (on a rank)
+_installed = False
+
+
+def shown(key: str) -> None:
+    """Record that reference ``key`` was read in this process (now)."""
+    _read[key] = time.monotonic()
+    _taken.add(key)
+    log = os.environ.get("DPCOURSE_OBSERVE_DIR")
+    rank = os.environ.get("RANK")
+    if log and rank is not None:  # a torchrun worker of a check: the checker reads this file
+        try:
+            with open(os.path.join(log, LOG.format(rank=rank)), "a") as f:
+                f.write(key + "\n")
+        except OSError:
+            pass
+
+
+def key_of(path) -> str | None:
+    """The reference a file of ``solutions/`` is (its compiled cache too), or None."""
+    if isinstance(path, bytes):
+        path = os.fsdecode(path)
+    if not isinstance(path, str) or "solutions" not in path:
+        return None
+    path = os.path.abspath(path)
+    if not path.startswith(SOLUTIONS + os.sep):
+        return None
+    stem = os.path.basename(path).split(".")[0]
+    if stem == "__init__":
+        return None
+    if os.sep + "tryits" + os.sep in path[len(SOLUTIONS):]:
+        return stem
+    from . import SOLUTION_FILES
+
+    return next((k for k, name in SOLUTION_FILES.items() if name.split(".")[0] == stem), None)
+
+
+def _hook(event: str, args) -> None:
+    if event == "open" and args and (key := key_of(args[0])):
+        shown(key)
+
+
+def install() -> None:
+    """Record every read of a reference's file in this process from now on (once per process;
+    an audit hook cannot be removed, and costs a string test per event)."""
+    global _installed
+    if not _installed:
+        _installed = True
+        sys.addaudithook(_hook)
+
+
+def take() -> list[str]:
+    """On a rank: install the hook, and hand over (and forget) the keys read since last time."""
+    install()
+    keys = sorted(_taken)
+    _taken.clear()
+    return keys
+
+
+def mark() -> float:
+    """Now, to ask later what was read since."""
+    install()
+    return time.monotonic()
+
+
+def add(keys) -> None:
+    """Keys another process of the check read (a rank, a torchrun worker), as read now."""
+    for key in keys:
+        _read[key] = time.monotonic()
+
+
+def from_cluster(cluster, keep: bool = True) -> None:
+    """Take what ``cluster``'s ranks read since their last ``take`` (``keep=False``: only
+    forget it, before a check); a cluster that cannot answer (its ranks just failed, and
+    fresh ones read nothing yet) reads nothing."""
+    try:
+        got = cluster.run(take, timeout=60)
+    except Exception:  # noqa: BLE001 -- see above
+        return
+    if keep:
+        add(key for keys in got for key in keys)
+
+
+def from_log(folder: str) -> None:
+    """Take what a torchrun launch's workers read (their ``LOG`` files in ``folder``)."""
+    if not os.path.isdir(folder):
+        return
+    for name in os.listdir(folder):
+        if name.startswith(LOG.split("{")[0]):
+            with open(os.path.join(folder, name), errors="replace") as f:
+                add(line.strip() for line in f if line.strip())
+
+
+def used(key: str, since: float) -> list[str]:
+    """The references a report of ``key`` judged near: ``key`` when read at any time before
+    now, any key read since ``since``."""
+    return sorted(k for k, t in _read.items() if k == key or t >= since)
+
+
+def judged(key: str):
+    """Make the decorated ``check(...) -> Report`` list the references read before or while it
+    judged (``used``), its report known by ``key`` where it names none."""
+    def wrap(check):
+        @functools.wraps(check)
+        def run(*args, **kwargs):
+            since = mark()
+            report = check(*args, **kwargs)
+            report.key = report.key or key
+            report.references = used(report.key, since)
+            return report
+        return run
+    return wrap
+
+
+def forget() -> None:
+    """Forget every record of this process (a new learner, e.g. a test)."""
+    _read.clear()
+    _taken.clear()
+
+
+def describe(keys) -> str:
+    keys = list(keys)
+    said = ", ".join(f"solution({k!r})" for k in keys)
+    return (f"{said} was read before or while this was judged (by dpc.exercises.solution, report.fix() "
+            "or the learner's code); the verdict stands, and an instructor sees it")
+
+
+def embeds(text: str, key: str, starter: str = "", share: float = 0.6) -> bool:
+    """Does ``text`` (a learner's script) carry reference ``key``'s own lines -- those the
+    starter does not have, comments included? True when at least ``share`` of them are there;
+    a conversion written apart shares its code with the reference, never its wording."""
+    from . import solution
+
+    def lines(source: str) -> set[str]:
+        return {line.strip() for line in source.splitlines() if len(line.strip()) >= 20}
+
+    with quiet():
+        own = lines(solution(key)) - lines(starter)
+    if len(own) < 5:
+        return False
+    return len(own & lines(text)) >= share * len(own)
+
+
+class quiet:
+    """Reads of a reference by the course itself (a checker comparing, ``embeds``): not the
+    learner's, so not recorded."""
+
+    def __enter__(self):
+        self._read, self._taken = dict(_read), set(_taken)
+        return self
+
+    def __exit__(self, *exc):
+        _read.clear()
+        _read.update(self._read)
+        _taken.clear()
+        _taken.update(self._taken)
