@@ -31,12 +31,28 @@ VARIANTS = {
     },
     "sampler": {
         "mistakes": [
+            ("batches of 5 with drop_last: right on 2 ranks, wrong on 3", [
+                ("batch_size=2, sampler=sampler", "batch_size=5, sampler=sampler, drop_last=True")],
+             "on 3 ranks (it passed on 2): together the ranks read 0 different samples"),
             ("no set_epoch", [("        sampler.set_epoch(epoch)\n", "")], "same order as epoch 0"),
             ("a shuffled DataLoader without the distributed sampler",
              [("DataLoader(dataset, batch_size=2, sampler=sampler)", "DataLoader(dataset, batch_size=2, shuffle=True)")],
              "the whole dataset"),
             ("drop_last forgotten", [("seed=seed, drop_last=True", "seed=seed")], "repeated"),
             ("the seed not passed on", [("seed=seed, drop_last=True", "drop_last=True")], "another seed"),
+            ("a seed per rank", [("seed=seed, drop_last=True", "seed=seed + dist.get_rank(), drop_last=True")],
+             "the ranks shuffled with different seeds"),
+            ("a fixed part per rank, shuffled within it every epoch", [
+                ("from torch.utils.data import DataLoader, DistributedSampler",
+                 "from torch.utils.data import DataLoader, SubsetRandomSampler"),
+                ("    sampler = DistributedSampler(dataset, seed=seed, drop_last=True)\n"
+                 "    loader = DataLoader(dataset, batch_size=2, sampler=sampler)\n",
+                 "    world = dist.get_world_size()\n"
+                 "    part = list(range(dist.get_rank(), len(dataset) - len(dataset) % world, world))\n"),
+                ("        sampler.set_epoch(epoch)\n",
+                 "        sampler = SubsetRandomSampler(part, generator=torch.Generator().manual_seed(seed + epoch))\n"
+                 "        loader = DataLoader(dataset, batch_size=2, sampler=sampler)\n")],
+             "one permutation of the whole dataset, shared by all ranks and redrawn every epoch"),
         ],
         "correct": [
             ("the ranks named, bigger batches, a tensor's tolist", [

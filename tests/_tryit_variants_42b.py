@@ -3,6 +3,8 @@
 VARIANTS = {
     "fully_shard": {
         "mistakes": [
+            ("a mesh of the notebook's 2 ranks: right on 2, wrong on 3", [
+                ("(dist.get_world_size(),)", "(2,)")], "on 3 ranks (it passed on 2)"),
             ("only the root is sharded", [("    for i, block in enumerate(model.blocks):\n"
                                            "        fully_shard(block, mesh=mesh, reshard_after_forward=i < len(model.blocks) - 1)\n",
                                            "")], "single collective"),
@@ -14,6 +16,15 @@ VARIANTS = {
             ("the first block kept instead of the last", [("i < len(model.blocks) - 1", "i > 0")], "block 0"),
             ("the root is left out", [("    return fully_shard(model, mesh=mesh)", "    return model")],
              "stayed plain tensors"),
+            ("the root sharded first, then the blocks", [   # PyTorch: "TypeError: Invariant encountered ..."
+                ("    for i, block in enumerate(model.blocks):\n"
+                 "        fully_shard(block, mesh=mesh, reshard_after_forward=i < len(model.blocks) - 1)\n"
+                 "    return fully_shard(model, mesh=mesh)",
+                 "    fully_shard(model, mesh=mesh)\n"
+                 "    for i, block in enumerate(model.blocks):\n"
+                 "        fully_shard(block, mesh=mesh, reshard_after_forward=i < len(model.blocks) - 1)\n"
+                 "    return model")],
+             "Shard the blocks first and the root last"),
         ],
         "correct": [
             ("the default mesh, the last block apart, nothing returned", [

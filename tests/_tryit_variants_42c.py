@@ -183,6 +183,14 @@ VARIANTS = {
             ("the loss is not weighted", [(" * share)", ")")], "times the right size"),
             ("synchronisation switched off, never back on", [("i == len(micro_batches) - 1", "False")],
              "no reduce-scatter ran"),
+            ("the switch set after each backward, not before", [
+                ("        model.set_requires_gradient_sync(i == len(micro_batches) - 1)\n"
+                 "        share = len(x) / sum(len(b) for b, _ in micro_batches)\n"
+                 "        (F.mse_loss(model(x), y) * share).backward()",
+                 "        share = len(x) / sum(len(b) for b, _ in micro_batches)\n"
+                 "        (F.mse_loss(model(x), y) * share).backward()\n"
+                 "        model.set_requires_gradient_sync(i == len(micro_batches) - 1)")],
+             "must be set before the backward it applies to"),
         ],
         "correct": [
             ("off before the loop, summed losses over the samples of the step", [

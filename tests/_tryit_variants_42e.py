@@ -6,6 +6,9 @@ _ZERO_GROUPS = '[{"params": others}, {"params": head, "lr": 0.005}]'
 VARIANTS = {
     "eval_metric": {
         "mistakes": [
+            ("the stride is the notebook's 2 ranks: right on 2, wrong on 3", [
+                ("range(rank, len(dataset), world)", "range(rank, len(dataset), 2)")],
+             "on 3 ranks (it passed on 2): sample 2 was counted by ranks 0 and 2, and 6 samples in all"),
             ("DistributedSampler pads the parts", [
                 ("range(rank, len(dataset), world)", "DistributedSampler(dataset, shuffle=False)")],
              "repeating samples"),

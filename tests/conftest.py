@@ -8,6 +8,8 @@ import psutil
 import pytest
 
 import dpcourse as dpc
+from dpcourse.exercises import provenance
+from dpcourse.exercises.ranks import close_judges
 from dpcourse.processes import stop
 
 
@@ -40,10 +42,17 @@ def no_leftover_processes():
     """After each test module: no process started by it may still run. Kills by PID, then fails."""
     before = {p.pid for p in descendants()}
     yield
+    close_judges()   # the checkers' second-world-size clusters live as long as their kernel
     leftover = [p for p in descendants() if p.pid not in before]
     alive = wait_gone([p.pid for p in leftover], timeout=10)
     stop(alive, grace_s=0)  # found below this process a moment ago: ours
     assert not alive, f"processes left behind by this module: {alive}"
+
+
+@pytest.fixture(autouse=True)
+def a_learner_who_read_no_reference():
+    """Each test starts as a kernel in which no reference was read (``provenance``)."""
+    provenance.forget()
 
 
 def _cluster_fixture(world_size: int):

@@ -133,6 +133,12 @@ MISTAKES = [
     ("each rank's own validation loss",
      [("    dist.all_reduce(sums)\n", "")],
      "the val_loss rank 0 prints", "include the losses the other rank computed"),
+    ("rank 0 alone validates, as under DDP",   # Gloo says "Connection reset by peer": the cause is named
+     [("        val_loss = evaluate(model, val_loader, own, device)\n        if rank == 0:\n",
+       "        if rank == 0:\n"
+       "            val_loss = evaluate(model, DataLoader(val_set, batch_size=args.batch_size), len(val_set), device)\n"),
+      ("    dist.all_reduce(sums)\n", "")],
+     "runs to completion", "so every rank must run the same validation forwards"),
     ("saves the shards",
      [(GATHER, "    full = model.state_dict()\n")],
      "the checkpoint loads into the plain model", "gathered from every rank"),
@@ -208,3 +214,21 @@ def test_a_full_state_dict_gathered_on_rank_0_alone_is_stopped_within_a_minute(t
     assert "rank 1 waits in its 1st barrier since optimizer step 8" in first.detail, first.detail
     assert took < 60, f"the deadlock was reported after {took:.0f} s"
     print(f"deadlock reported after {took:.1f} s: {first.detail}")
+
+
+# each rank scores its own strided share, no padding: right with batches of 8 (19 and 18
+# sequences make 3 batches on each rank), a hang with batches of 2 (10 on rank 0, 9 on rank 1)
+_UNEVEN_VALIDATION = [
+    ("    val_loader = DataLoader(val_set, batch_size=args.batch_size, sampler=DistributedSampler(val_set, shuffle=False))\n"
+     "    own = len(range(rank, len(val_set), world_size))\n",
+     "    val_loader = DataLoader(Subset(val_set, range(rank, len(val_set), world_size)), batch_size=args.batch_size)\n"
+     "    own = len(range(rank, len(val_set), world_size))\n"),
+    ("from torch.utils.data import ", "from torch.utils.data import Subset, "),
+]
+
+
+def test_a_validation_right_at_one_batch_size_only_fails_at_the_other(tmp_path):
+    report = dpc.exercises.check_f(write(tmp_path, edited(REFERENCE, _UNEVEN_VALIDATION)))
+    assert not report.passed, str(report)
+    failed = [i for i in report.items if i.status == "fail"]
+    assert failed and all(i.detail.startswith("with --batch-size 2 (it passed with 8)") for i in failed), str(report)

@@ -84,6 +84,7 @@ INDEPENDENT = textwrap.dedent('''
 ''')
 
 NO_SYNC = "            with contextlib.nullcontext() if stepping else ddp_model.no_sync():\n"
+CLIP = "                torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), args.max_norm)  # the same norm on every rank\n"
 SCHEDULE = "                scheduler.step()\n"
 SUBSET = "    val_loader = DataLoader(Subset(val_set, range(rank, len(val_set), world_size)), batch_size=args.batch_size)\n"
 # (mistake, edits of the reference, the item that must fail, words its detail must contain)
@@ -96,6 +97,12 @@ MISTAKES = [
     ("no set_epoch",
      [("        train_sampler.set_epoch(epoch)", "        pass")],
      "the order changes between epochs", "reshuffle for a new epoch"),
+    ("no set_epoch: the final weights name the order",   # not averaging or the learning rate
+     [("        train_sampler.set_epoch(epoch)", "        pass")],
+     "final weights equal one process", "the shuffle did not change between epochs"),
+    ("clipping every micro-batch",   # not "is the loss a mean": the gradient was clipped before it was complete
+     [(CLIP, ""), ("                loss.backward()\n", "                loss.backward()\n" + CLIP)],
+     "the first step's gradient", "clipped per micro-batch, before the step's gradient was complete"),
     ("a padded DistributedSampler for validation",
      [(SUBSET, "    val_loader = DataLoader(val_set, batch_size=args.batch_size, sampler=DistributedSampler(val_set))\n")],
      "the val_loss rank 0 prints", "counted twice"),
@@ -179,12 +186,21 @@ def test_the_reference_passes(tmp_path):
     report = dpc.exercises.check_a(write(tmp_path, REFERENCE))
     assert report.passed, str(report)
     assert "passed (12 of 12 checks)" in str(report) and "<table>" in report._repr_html_()
+    # its text is the reference's: judged, and said (the autouse fixture forgot solution("A") above)
+    assert report.references == ["A"] and "Used the reference: solution('A')" in str(report)
     print(f"check_a on the reference: {time.monotonic() - start:.1f} s")
+
+
+def test_a_script_that_runs_the_reference_passes_and_is_flagged(tmp_path):
+    script = write(tmp_path, "import dpcourse as dpc\n\nexec(dpc.exercises.solution('A'))\n")
+    report = dpc.exercises.check_a(script)
+    assert report.passed and report.used_reference, str(report)
+    assert report.to_dict()["used_reference"] is True and report.to_dict()["references"] == ["A"]
 
 
 def test_an_independent_conversion_passes(tmp_path):
     report = dpc.exercises.check_a(write(tmp_path, INDEPENDENT))
-    assert report.passed, str(report)
+    assert report.passed and not report.used_reference, str(report)
 
 
 def test_untouched_starter_is_not_attempted(tmp_path):
@@ -208,6 +224,21 @@ def test_each_mistake_fails_with_its_item_named(tmp_path, mistake, edits, failin
     assert_teaches(report, REFERENCE)
     others = [i.name for i in report.items if i.status == "fail" and i is not bad]
     assert len(others) <= 3, f"{mistake}: more failed than expected: {others}\n{report}"
+
+
+def test_an_fsdp_script_is_told_apart_from_a_ddp_mistake(tmp_path):
+    """Exercise F's script (fully_shard, bf16 gathers) checked as exercise A: the report says the
+    script is not DDP in float32, and reads bf16's rounding as no double-counted sequence."""
+    report = dpc.exercises.check_a(write(tmp_path, dpc.exercises.solution("F")))
+    assert not report.passed
+    sync = item(report, "gradients are synchronised once per optimizer step")
+    assert sync.status == "fail" and "not DDP in float32" in sync.detail and "exercise F" in sync.detail, str(report)
+    validation = item(report, "the val_loss rank 0 prints")
+    assert "counted twice" not in validation.detail, str(report)
+    if validation.status == "fail":
+        assert "bfloat16" in validation.detail, str(report)
+    weights = item(report, "final weights equal one process")
+    assert weights.status != "fail" or "not DDP in float32" in weights.detail, str(report)
 
 
 def test_a_deadlock_is_stopped_within_a_minute_saying_where_each_rank_waits(tmp_path):

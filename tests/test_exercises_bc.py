@@ -328,6 +328,32 @@ def test_b_a_miss_is_told_coarsely():
     assert dpc.exercises.setups.miss(400, 100, 0.05) == (False, "too high by a factor of about 4")
 
 
+def test_b_steps_per_second_are_medians_with_their_range_and_compared_only_beyond_noise():
+    # synthetic step times (seconds), as a loaded machine gives them: one step slowed a lot
+    rate = setups.throughput([0.010, 0.012, 0.050, 0.011, 0.0125])
+    assert rate == {"median": pytest.approx(1 / 0.012), "low": pytest.approx(20.0), "high": pytest.approx(100.0),
+                    "steps": 5}
+    assert setups.said_rate(rate) == "median 83 steps/s, range 20–100 over 5 steps"
+    assert setups.throughput([]) is None and setups.throughput([0.0]) is None
+    # DDP's steps all faster than FULL_SHARD's, taken in turn: the direction, the ratio and its spread
+    ddp, fsdp = [0.004, 0.005, 0.020, 0.004], [0.030, 0.040, 0.032, 0.036]
+    both = exercise_b._compare(ddp, fsdp)
+    assert both["faster"] == "ddp" and both["ratio"] == pytest.approx(0.034 / 0.0045)
+    assert (both["low"], both["high"], both["pairs"]) == (pytest.approx(1.6), pytest.approx(9.0), 4)
+    said = exercise_b._said_side_by_side(both)
+    assert "DDP is faster, 7.6 times FULL_SHARD's steps/s at the median (1.6–9.0 times step by step" in said, said
+    assert "DDP median 222 steps/s, range 50–250 over 4 steps" in said, said
+    # the other way round: the ratio is the faster one's over the other's
+    assert exercise_b._compare(fsdp, ddp)["faster"] == "fsdp"
+    assert "FULL_SHARD is faster, 7.6 times DDP's" in exercise_b._said_side_by_side(exercise_b._compare(fsdp, ddp))
+    # overlapping ranges: within noise, no direction
+    close = exercise_b._compare([0.010, 0.030, 0.012], [0.011, 0.015, 0.031])
+    assert close["faster"] is None
+    said = exercise_b._said_side_by_side(close)
+    assert "within noise" in said and " is faster" not in said, said
+    assert exercise_b._compare([], fsdp) is None
+
+
 # --- Exercise C ----------------------------------------------------------------------------------
 
 # Written apart from the reference: FSDP1, and the figures from a table of what each
@@ -544,3 +570,153 @@ def test_the_notebooks_say_what_the_checkers_do():
                  f"at rest and bytes within {round(exercise_c.TOLERANCE * 100)} %",
                  f"more than {round(exercise_c.TIE * 100)} %", f"trained {setups.STEPS} steps"):
         assert said in text_c, said
+
+
+# --- routes round the refusal: each one refused or told, by what the formula does ------------------
+
+B_TABLE = textwrap.dedent('''
+    import dpcourse as dpc
+    from dpcourse.exercises import exercise_b
+    TABLE = {}
+    for n, sizes in exercise_b.CASES:
+        units = dpc.models.unit_numels(dpc.models.build_model("mlp", **sizes))
+        for setup in ("ddp", "fsdp"):
+            book = dpc.memory.ledger(sum(units), n, "FULL_SHARD" if setup == "fsdp" else "ddp", units=units)
+            TABLE[tuple(units), n, setup] = (
+                {c: float(book.bytes[c]) for c in ("parameters", "gradients", "optimizer_state")},
+                float(sum(dpc.collectives.step_bytes("FULL_SHARD" if setup == "fsdp" else "ddp", n, units).values())))
+    del dpc, exercise_b, book
+
+    def held(units, world_size, setup):
+        return dict(TABLE[tuple(units), world_size, setup][0])
+
+    def sent_per_step(units, world_size, setup):
+        return TABLE[tuple(units), world_size, setup][1]
+
+    predicted = {"held": held, "sent_per_step": sent_per_step}
+''')
+
+B_IMPORTLIB = textwrap.dedent('''
+    import importlib
+
+    def held(units, world_size, setup):
+        memory = importlib.import_module("dp" + "course.memory")
+        book = getattr(memory, "led" + "ger")(sum(units), world_size, "FULL_SHARD" if setup == "fsdp" else "ddp",
+                                              units=units)
+        return {c: book.bytes[c] for c in ("parameters", "gradients", "optimizer_state")}
+
+    def sent_per_step(units, world_size, setup):
+        cost = importlib.import_module("dp" + "course.collectives")
+        return sum(getattr(cost, "step_" + "bytes")("FULL_SHARD" if setup == "fsdp" else "ddp", world_size, units).values())
+
+    predicted = {"held": held, "sent_per_step": sent_per_step}
+''')
+
+B_EXEC = textwrap.dedent('''
+    CODE = "import dpcourse as d\\nbook = d.memory.ledger(P, N, S, units=U)"
+
+    def held(units, world_size, setup):
+        space = {"P": sum(units), "N": world_size, "S": "FULL_SHARD" if setup == "fsdp" else "ddp", "U": units}
+        exec(CODE, space)
+        return {c: space["book"].bytes[c] for c in ("parameters", "gradients", "optimizer_state")}
+
+    def sent_per_step(units, world_size, setup):
+        space = {}
+        exec("import dpcourse.collectives as c\\nf = c.step_bytes", space)
+        return sum(space["f"]("FULL_SHARD" if setup == "fsdp" else "ddp", world_size, units).values())
+
+    predicted = {"held": held, "sent_per_step": sent_per_step}
+''')
+
+B_READS_THE_FILE = textwrap.dedent('''
+    import os, sys
+
+    def held(units, world_size, setup):
+        folder = [p for p in sys.path if os.path.isdir(os.path.join(p, "dpcourse", "memory"))][0]
+        exec(open(os.path.join(folder, "dpcourse", "memory", "ledger.py")).read(), {})
+        return {}
+
+    sent_per_step = held
+    predicted = {"held": held, "sent_per_step": sent_per_step}
+''')
+
+
+def _copied_ledger(folder) -> str:
+    """The course's memory calculator copied into a package of the learner's, imports mended."""
+    package = folder / "my_ledger"
+    package.mkdir()
+    root = Path(dpc.__file__).parent
+    for f in [*(root / "memory").glob("*.py"), root / "vocab.py", root / "models.py"]:
+        (package / f.name).write_text(f.read_text().replace("from .. import", "from . import")
+                                      .replace("from ..models", "from .models"))
+    return textwrap.dedent('''
+        import my_ledger
+
+        def held(units, world_size, setup):
+            book = my_ledger.ledger(sum(units), world_size, "FULL_SHARD" if setup == "fsdp" else "ddp", units=units)
+            return {c: book.bytes[c] for c in ("parameters", "gradients", "optimizer_state")}
+
+        predicted = {"held": held, "sent_per_step": lambda units, world_size, setup: 0.0}
+    ''')
+
+
+@pytest.mark.parametrize("route", ["table", "importlib", "exec", "reads the file", "a copy in a module"])
+def test_b_every_route_to_the_calculators_is_refused_or_fails(route, b_reference, monkeypatch, tmp_path):
+    monkeypatch.setattr(exercise_b, "_measure", lambda *args: b_reference[1])
+    source = {"table": B_TABLE, "importlib": B_IMPORTLIB, "exec": B_EXEC, "reads the file": B_READS_THE_FILE}.get(route)
+    if route == "a copy in a module":
+        monkeypatch.syspath_prepend(str(tmp_path))
+        source = _copied_ledger(tmp_path)
+    wrap_ddp, wrap_fsdp = define(B, "wrap_ddp", "wrap_fsdp")
+    report = dpc.exercises.check_b(wrap_ddp, wrap_fsdp, *define(source, "predicted"))
+    held = item(report, "prediction: FULL_SHARD parameters per rank")
+    assert held.status == "fail", str(report)
+    words = {"table": "a model no rank ran", "importlib": "refused: held() reaches for the course's code",
+             "exec": "refused: held() reaches for the course's code",
+             "reads the file": "refused: held() reaches for the course's code",
+             "a copy in a module": "refused: held()'s code is a copy of dpc.memory"}[route]
+    assert words in held.detail, str(report)
+    if route != "a copy in a module":
+        sent = item(report, "prediction: FULL_SHARD sent per step")
+        assert sent.status == "fail", str(report)
+
+
+C_TABLE = textwrap.dedent('''
+    import dpcourse as dpc
+    from dpcourse.exercises import exercise_c
+    _units = tuple(dpc.models.unit_numels(dpc.models.build_model("mlp", **exercise_c.SIZES)))
+    _reference = {}
+    exec(dpc.exercises.solution("C"), _reference)
+    TABLE = {(_units, name): _reference["predict"](list(_units), 4, name) for name in exercise_c.CONFIGS}
+    del dpc, exercise_c, _reference
+
+    def predict(units, world_size, config):
+        return TABLE[tuple(units), config]
+''')
+
+
+def test_c_a_table_of_the_judged_model_fails_on_a_model_no_rank_ran_and_is_flagged(c_reference, monkeypatch):
+    monkeypatch.setattr(exercise_c, "_measure", lambda *args: c_reference[1])
+    report = dpc.exercises.check_c(define(C, "configs")[0], *define(C_TABLE, "predict"))
+    for name in exercise_c.CONFIGS:
+        bad = item(report, f"prediction: {name} per rank")
+        assert bad.status == "fail" and "a model no rank ran" in bad.detail, str(report)
+    assert report.used_reference and "Used the reference: solution('C')" in str(report)
+
+
+def test_c_a_configuration_built_by_the_course_training_code_is_refused(cluster4):
+    source = textwrap.dedent('''
+        import torch
+        import dpcourse as dpc
+        from dpcourse.train.parallel import apply_fsdp
+
+        def full_shard(model):
+            cfg = dpc.train.TrainConfig(model="mlp", sharding_strategy="FULL_SHARD")
+            return apply_fsdp(model, torch.device("cpu"), cfg, (type(model.blocks[0]),))
+    ''')
+    configs = {**define(C, "configs")[0], "FULL_SHARD": define(source, "full_shard")[0]}
+    report = dpc.exercises.check_c({"FULL_SHARD": configs["FULL_SHARD"], "SHARD_GRAD_OP": ..., "HYBRID_SHARD": ...,
+                                    "one unit": ...}, ..., cluster=cluster4)
+    bad = item(report, "FULL_SHARD: trains like one process")
+    assert bad.status == "fail" and "refused: the wrap function calls the course's own code" in bad.detail, str(report)
+    assert "dpc.train.parallel.apply_fsdp" in bad.detail

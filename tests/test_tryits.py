@@ -16,6 +16,7 @@ import pytest
 
 import dpcourse as dpc
 from dpcourse.exercises import tryits
+from dpcourse.exercises.ranks import judge_cluster, other_world_size
 
 from _tryit_variants import VARIANTS
 from test_notebook_surface import APIS, CHAPTERS
@@ -136,6 +137,7 @@ def test_a_try_it_as_shipped_reference_mistakes_and_other_correct_answers(try_it
     assert not given.attempted and "not attempted" in str(given), str(given)
 
     reference = _reference(cell)
+    judge_cluster(other_world_size(cluster2.world_size))   # started once per module, not timed
     start = time.monotonic()
     passed = check(chapter, name, _define(path, reference, answer), cluster2)
     assert passed.passed, str(passed)
@@ -156,3 +158,48 @@ def test_a_try_it_as_shipped_reference_mistakes_and_other_correct_answers(try_it
     for label, replacements in VARIANTS[name].get("correct", []):
         report = check(chapter, name, _define(path, _variant(reference, replacements), answer), cluster2)
         assert report.passed, f"{label}\n{report}"
+
+
+# --- the reference's use is judged, and said --------------------------------------------------------
+
+_ON_THE_RANK = '''
+def epoch_orders(dataset, epochs, seed):
+    import dpcourse as dpc
+    space = {}
+    exec(dpc.exercises.solution("sampler"), space)
+    return space["epoch_orders"](dataset, epochs, seed)
+'''
+
+_READ_ON_THE_RANK = '''
+def epoch_orders(dataset, epochs, seed):
+    import glob, os, sys
+    path = [f for p in sys.path for f in glob.glob(os.path.join(p, "dpcourse", "exercises", "solutions", "tryits",
+                                                                "sampler.py"))][0]
+    space = {}
+    exec(open(path).read(), space)
+    return space["epoch_orders"](dataset, epochs, seed)
+'''
+
+
+@pytest.mark.parametrize("route", ["none", "solution() in the kernel", "report.fix()", "solution() on the rank",
+                                   "the file read on the rank"])
+def test_a_try_it_that_used_the_reference_is_judged_and_flagged(route, cluster2):
+    from dpcourse.exercises import provenance
+
+    path, cell, _, (chapter, name, answer) = next(t for t in TRY_ITS if t[3][1] == "sampler")
+    check = dpc.exercises.check_answer
+    if route == "none":
+        source = _reference(cell)
+    elif route == "solution() in the kernel":
+        source = dpc.exercises.solution("sampler")
+    elif route == "report.fix()":
+        source = str(check(chapter, name, _define(path, _reference(cell).replace("seed=seed, ", ""), answer),
+                           cluster2).fix())
+    else:
+        source = _ON_THE_RANK if route == "solution() on the rank" else _READ_ON_THE_RANK
+    report = check(chapter, name, _define(path, source, answer), cluster2)
+    assert report.passed, str(report)
+    assert report.used_reference == (route != "none"), (route, str(report))
+    assert ("Used the reference: solution('sampler')" in str(report)) == (route != "none")
+    provenance.forget()
+    assert not check(chapter, name, _define(path, _reference(cell), answer), cluster2).used_reference

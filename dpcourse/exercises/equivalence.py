@@ -18,9 +18,11 @@ from .script_check import (MODEL, VAL_LOSS, VAL_SEED, WORLD_SIZE, Setting, Singl
                            judge_logging_and_saving)
 
 
-def judge_synchronisation(report: Report, logs: list[dict], setting: Setting, what: str) -> None:
+def judge_synchronisation(report: Report, logs: list[dict], setting: Setting, what: str,
+                          other: str | None = None) -> None:
     """Gradient accumulation: the gradients cross the ranks once per optimizer step, in the
-    backward pass of its last micro-batch (``what``: the wrapper's name, e.g. "DDP")."""
+    backward pass of its last micro-batch (``what``: the wrapper's name, e.g. "DDP"; ``other``:
+    why the run is not of the exercise's kind (``not_ddp``), said when its collective never ran)."""
     name = f"gradients are synchronised once per optimizer step: {setting.collective.replace('_', '-')}s " \
            "only in the last micro-batch's backward"
     accum = int(setting.arg("--accum-steps"))
@@ -46,7 +48,7 @@ def judge_synchronisation(report: Report, logs: list[dict], setting: Setting, wh
             return
         if accum not in inside:
             report.add(name, False, f"in optimizer step {k} no {setting.collective.replace('_', '-')} ran in any "
-                       f"backward pass: are the gradients combined over the ranks at all?")
+                       "backward pass: " + (other or "are the gradients combined over the ranks at all?"))
             return
     report.add(name, True, f"{len(steps)} steps of {accum} backward passes each, the "
                f"{setting.collective.replace('_', '-')}s in the last one")
@@ -60,6 +62,71 @@ def global_squares(logs: list[dict], key: str, step: int) -> float | None:
         return None
     sharded = all(log["shards"] and log["shards"][2] == log["shards"][3] for log in logs)
     return sum(log[key][step] for log in logs) if sharded else logs[0][key][step]
+
+
+def changed_between_backwards(logs: list[dict], steps: list[int] | None = None) -> str | None:
+    """What changed a rank's gradients between two backward passes of one optimizer step, in
+    words (None: nothing did). Accumulation only adds: each backward pass must begin with the
+    gradients the one before left; a smaller norm means they were clipped or scaled before the
+    step's gradient was complete, a zero that they were zeroed. (Under FSDP's accumulation the
+    .grad of the shards stays empty until the reduce-scatter: nothing to compare.)"""
+    for r, log in enumerate(logs):
+        accumulated = log.get("accumulated", {})
+        for step in sorted(accumulated) if steps is None else steps:
+            passes = accumulated.get(step, [])
+            for k in range(1, len(passes)):
+                left, found = passes[k - 1][1], passes[k][0]
+                if not left:
+                    continue
+                between = (f"on rank {r}, between the backward passes of micro-batches {k} and {k + 1} of "
+                           f"optimizer step {step}")
+                if found == 0:
+                    return (f"{between}, the gradients were set to zero: the micro-batches before were lost "
+                            "from the step -- when may the gradients be zeroed?")
+                if found < left * (1 - 1e-6):
+                    return (f"{between}, the gradients' norm fell from {math.sqrt(left):.4g} to "
+                            f"{math.sqrt(found):.4g}: they were clipped per micro-batch, before the step's "
+                            "gradient was complete, so each micro-batch's share was cut on its own -- clipping "
+                            "bounds the norm of the whole accumulated gradient: when is that gradient complete?")
+    return None
+
+
+def same_order_every_epoch(logs: list[dict], single: SingleRun) -> str | None:
+    """In words, when every rank read the same samples in the same order in every epoch while
+    one process read a new order each epoch (None otherwise): judged from what the ranks read."""
+    orders = [log["epochs"] for log in logs]
+    if not all(len(o) >= 2 for o in orders) or any(o[e] != o[0] for o in orders for e in range(1, len(o))):
+        return None
+    theirs = single.log["epochs"]
+    if len(theirs) >= 2 and theirs[0] == theirs[1]:
+        return None
+    return (f"every rank read the same samples in the same order in all {len(orders[0])} epochs: the shuffle "
+            "did not change between epochs, while one process reads a new order every epoch, and the "
+            "weights follow the order the samples come in")
+
+
+def not_ddp(logs: list[dict]) -> str | None:
+    """Why a run is not exercise A's kind (DDP, computing in float32), from its collectives and
+    its optimizer's parameters; None when nothing says so."""
+    log = logs[0]
+    scattered = any(c[1] == "reduce_scatter" for c in log["comms"])
+    sharded = bool(log["shards"] and log["shards"][2])
+    low = sorted({f"{c[1].replace('_', '-')}s carried {c[2]}" for c in log["comms"] if c[2] in ("bfloat16", "float16")})
+    if not (scattered or sharded or low):
+        return None
+    seen = (["the gradients were reduce-scattered"] if scattered else []) + \
+           (["the optimizer stepped DTensor shards"] if sharded else []) + low
+    kind = "a sharded (FSDP) script" if scattered or sharded else "a script that communicates in 16 bits"
+    precision = " computing in 16-bit precision" if low and (scattered or sharded) else ""
+    return (f"{'; '.join(seen)}: this is {kind}{precision}, not DDP in float32. Exercise A compares a DDP "
+            "script with one float32 process, to float32's rounding, so every comparison below reads its "
+            "sharding and rounding as mistakes -- is this the script for exercise F (check_f)?")
+
+
+def rounding_of(logs: list[dict]) -> str | None:
+    """The 16-bit dtype the run computed or communicated in, in a few words (None: none)."""
+    low = sorted({c[2] for c in logs[0]["comms"] if c[2] in ("bfloat16", "float16")})
+    return f"the ranks computed in {' and '.join(low)}" if low else None
 
 
 def judge_gradient(report: Report, logs: list[dict], single: SingleRun, setting: Setting) -> None:
@@ -80,7 +147,10 @@ def judge_gradient(report: Report, logs: list[dict], single: SingleRun, setting:
         return
     accum = int(setting.arg("--accum-steps"))
     detail = f"its norm was {math.sqrt(mine):.4g}, {ratio:.3g}x one process's {math.sqrt(theirs):.4g}"
-    if abs(ratio - accum) <= 0.1 * accum:
+    changed = changed_between_backwards(logs, steps=[0])
+    if changed:
+        detail += f": {changed}"
+    elif abs(ratio - accum) <= 0.1 * accum:
         detail += (f": about --accum-steps ({accum}) times too large, so the gradients of the {accum} "
                    "micro-batches were added up, not averaged -- what share of the step's loss is one "
                    "micro-batch's loss?")
@@ -120,10 +190,11 @@ def judge_learning_rate(report: Report, logs: list[dict], single: SingleRun) -> 
 
 
 def judge_validation(report: Report, run, logs: list[dict], single: SingleRun, setting: Setting,
-                     weights: dict | None) -> None:
+                     weights: dict | None, other: str | None = None) -> None:
     """The val_loss rank 0 prints last is the whole validation set's mean loss per token under
     the weights rank 0 then saved (so a training that went wrong elsewhere does not count
-    here); without a loadable checkpoint, every epoch's is one process's."""
+    here); without a loadable checkpoint, every epoch's is one process's. ``other``: why the
+    run is not of the exercise's kind, which then explains a difference instead of the reads."""
     name = "the val_loss rank 0 prints is the mean loss per token over the whole validation set"
     printed = [float(v) for v in VAL_LOSS.findall(run.rank_stdout.get(0, ""))]
     if not printed:
@@ -147,6 +218,9 @@ def judge_validation(report: Report, run, logs: list[dict], single: SingleRun, s
         report.add(name, True, f"epoch {e}: {printed[e]:.6f}, {whose} {expected:.6f}")
         return
     detail = f"epoch {e}: rank 0 printed {printed[e]:.6f}, {whose} is {expected:.6f}"
+    if other:
+        report.add(name, False, f"{detail}: {other}")
+        return
     passes = [log["evaluations"][e] if len(log["evaluations"]) > e else [] for log in logs]
     report.add(name, False, detail + _what_was_averaged(printed[e], passes, losses, size, setting.val_tolerance))
 
@@ -238,14 +312,20 @@ def judge_weights(report: Report, weights, single: SingleRun, setting: Setting, 
 
 
 def judge_the_outcome(report: Report, run, logs: list[dict], single: SingleRun, setting: Setting, finished: bool,
-                      judge_checkpoint, idea: str) -> None:
+                      judge_checkpoint, idea: str, other: str | None = None) -> None:
     """The items a training script's check ends with, in this order: learning rate, validation
     loss, logging and saving, the checkpoint (``judge_checkpoint(report, logs)``: its weights, judged
     once every rank finished), the final weights against one process's (``idea``: what to look at
-    when they differ), and leaving the process group."""
+    when they differ, unless the ranks' logs show the cause: ``other``, the script is not of the
+    exercise's kind (``not_ddp``); gradients changed between micro-batches; the same order every
+    epoch), and leaving the process group."""
     judge_learning_rate(report, logs, single)
-    judge_validation(report, run, logs, single, setting, rank0_weights(logs) if finished else None)
+    rounding = (f"{rounding_of(logs) or 'the run is not DDP in float32'} (see the synchronisation item), and "
+                "exercise A's comparison holds to float32's rounding only") if other else None
+    judge_validation(report, run, logs, single, setting, rank0_weights(logs) if finished else None, rounding)
     judge_logging_and_saving(report, run, logs, finished)
     weights = judge_checkpoint(report, logs) if finished else None
-    judge_weights(report, weights, single, setting, idea)
+    cause = ("the run is not DDP in float32 (see the synchronisation item)" if other else
+             changed_between_backwards(logs) or same_order_every_epoch(logs, single))
+    judge_weights(report, weights, single, setting, cause or idea)
     judge_leaving(report, logs, finished)

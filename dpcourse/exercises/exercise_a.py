@@ -18,6 +18,7 @@ from __future__ import annotations
 from . import equivalence as eq
 from . import script_check as sc
 from .observe import read_log
+from . import provenance
 from .report import Report
 
 ARGS = ["--epochs", "2", "--batch-size", "8", "--accum-steps", "4", "--num-samples", "256",
@@ -29,6 +30,7 @@ SETTING = sc.Setting(ARGS, "all_reduce", val_tolerance=2e-5, grad_tolerance=1e-3
                      sync_idea="how does DDP learn that a backward pass is not the last before a step?")
 
 
+@provenance.judged("A")
 def check_a(path: str = "train_lm_ddp.py", timeout: float = 180.0) -> Report:
     """Run the learner's DDP script on 2 ranks under torchrun and say, item by item, what is right."""
     return sc.check_script(Report("Exercise A", key="A"), path, "make it data-parallel with DDP", SETTING,
@@ -40,11 +42,12 @@ def _judge(report: Report, run, single: sc.SingleRun, setting: sc.Setting, timeo
     finished = sc.judge_completion(report, run, logs, timeout, "e.g. a collective inside `if rank == 0:`, "
                                    "which the other rank never reaches")
     sc.judge_sampling(report, logs, finished, int(setting.arg("--num-samples")))
-    eq.judge_synchronisation(report, logs, setting, "DDP")
+    other = eq.not_ddp(logs)  # e.g. exercise F's script: sharded, in bf16 -- not a DDP mistake
+    eq.judge_synchronisation(report, logs, setting, "DDP", other)
     eq.judge_gradient(report, logs, single, setting)
     eq.judge_the_outcome(report, run, logs, single, setting, finished, _judge_checkpoint,
                          "are gradients averaged (not summed)? is the learning "
-                         "rate unchanged? do all ranks start from the same weights?")
+                         "rate unchanged? do all ranks start from the same weights?", other)
 
 
 def _judge_checkpoint(report: Report, logs: list[dict]):

@@ -26,7 +26,10 @@ budget, so the allocator itself refuses, and the rank's ``RuntimeError`` reaches
 a ``RankError``. On GPU ranks the CUDA caching allocator's limit does the same
 (``set_per_process_memory_fraction``). DDP runs out of it, FULL_SHARD fits. Elsewhere (no
 enforceable limit, e.g. macOS) the report says so and compares the ``Memory`` observer's peak
-with the budget. The note gives each set-up's peak memory and steps per second.
+with the budget. The note gives each set-up's peak memory and steps per second: the median
+step's, with the range of all; the two set-ups compared by a ratio measured side by side (the
+course's MLP, their steps taken in turn on the same ranks: ``_side_by_side``), said as a
+direction only when their ranges do not overlap, and as within noise when they do.
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ from ..observe import Comm, Memory
 from ..pool import RankError, RankTimeout
 from . import setups
 from .ranks import RankFailure, blanks_in, clusters_for, run_or_failure, warm_up
+from . import provenance
 from .report import Report
 
 # (world size, the MLP's sizes): three models on three world sizes
@@ -55,6 +59,7 @@ BUDGET_MIB = 64
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 
 
+@provenance.judged("B")
 def check_b(wrap_ddp, wrap_fsdp, predicted, cluster=None, timeout: float = 120.0) -> Report:
     """Run the learner's two set-ups on 2, 3 and 4 ranks, judge them and the formulas, and run
     them on the large model within a memory budget.
@@ -72,6 +77,7 @@ def check_b(wrap_ddp, wrap_fsdp, predicted, cluster=None, timeout: float = 120.0
         return report
     formulas = _formulas(predicted)
     measured = _measure(wraps, cluster, timeout)
+    answers = _answers(formulas, measured.cases)
     for name, ok, detail in measured.set_ups:
         report.add(name, ok, detail)
     judged = {}
@@ -79,10 +85,10 @@ def check_b(wrap_ddp, wrap_fsdp, predicted, cluster=None, timeout: float = 120.0
         for what in CATEGORIES + ("sent_per_step",):
             name = (f"prediction: {NAMES[key]} {what.replace('_', ' ')}"
                     + ("" if what == "sent_per_step" else " per rank"))
-            ok, detail = _judge_prediction(key, what, formulas, measured.cases, measured.kinds[key])
+            ok, detail = _judge_prediction(key, what, formulas, measured.cases, measured.kinds[key], answers)
             judged[key, what] = ok is True
             report.add(name, ok, detail)
-    _judge_large(report, measured.large, formulas)
+    _judge_large(report, measured.large, formulas, answers)
     report.note = _explain(measured.cases, measured.large,
                            judged.get(("ddp", "sent_per_step")) and judged.get(("fsdp", "sent_per_step")))
     if not report.passed:
@@ -232,7 +238,71 @@ def _formulas(predicted) -> dict:
     return out
 
 
-def _judge_prediction(key: str, what: str, formulas: dict, cases: list, kind) -> tuple[bool | None, str]:
+UNSEEN = 3   # models no rank ran, drawn at each check: a formula is judged on them too, against the reference's
+
+
+def _unseen(draw=None) -> list[tuple[list, int]]:
+    """(units, world_size) of ``UNSEEN`` models like ``CASES``' but drawn now: a table of the
+    measured cases' answers has no entry for them."""
+    import random
+
+    draw = draw or random.Random()
+    out = []
+    while len(out) < UNSEEN:
+        sizes = {"d_hidden": draw.choice((80, 112, 144, 176, 192)), "depth": draw.choice((3, 4, 5, 6))}
+        n = draw.choice((2, 3, 4, 5, 6, 8))
+        if (n, sizes) not in CASES:
+            out.append((models.unit_numels(models.build_model("mlp", **sizes)), n))
+    return out
+
+
+def _answers(formulas: dict, cases: list) -> setups.Answers:
+    """The learner's formulas on every case, the large model and ``_unseen`` models, computed
+    where the course cannot be reached; a formula refused there gets its reason as problem."""
+    fns = {part: fn for part, (fn, problem) in formulas.items() if fn is not None and not problem}
+    units_large = models.unit_numels(models.build_model("mlp", **LARGE))
+    shapes = [(list(c.units), c.n) for c in cases] + [(units_large, 2)] + _unseen()
+    calls = [(part, (units, n, key)) for part in fns for units, n in shapes for key in NAMES]
+    answers = setups.Answers(fns, calls, "from units, world_size and setup")
+    answers.unseen = shapes[len(cases) + 1:]
+    for part, fn in fns.items():
+        refused = answers.refusal(part)
+        if refused:
+            formulas[part] = (fn, refused)
+    return answers
+
+
+def _reference_formulas() -> dict:
+    """The reference's held() and sent_per_step(), read by the course (not the learner's read)."""
+    import importlib
+
+    from . import provenance
+
+    with provenance.quiet():
+        return importlib.import_module(f"{__package__}.solutions.setups_b").predicted
+
+
+def _judge_unseen(key: str, what: str, part: str, fname: str, answers) -> tuple[bool, str] | None:
+    """None when the formula agrees with the reference's on every unseen model (within twice
+    ``TOLERANCE``: both are judged against measurements within it), else the failed verdict."""
+    reference = _reference_formulas()[part]
+    for units, n in answers.unseen:
+        value, error = answers(part, units, n, key)
+        if error:
+            return False, f"{fname}(units, {n}, {key!r}) raised {error} (units={units}, a model no rank ran)"
+        if part == "held":
+            value = value.get(what, ...) if isinstance(value, Mapping) else value
+        want = reference(units, n, key)
+        want = want[what] if part == "held" else want
+        ok, detail = setups.miss(setups.as_bytes(value), want, 2 * TOLERANCE)
+        if ok is not True:
+            return False, (f"on {n} ranks with units={units}, a model no rank ran, it is {detail} next to what "
+                           "the set-up holds and sends there: a formula follows from units and world_size alone, "
+                           "for any model and any number of ranks")
+    return None
+
+
+def _judge_prediction(key: str, what: str, formulas: dict, cases: list, kind, answers) -> tuple[bool | None, str]:
     part = "sent_per_step" if what == "sent_per_step" else "held"
     fn, problem = formulas[part]
     if fn is None:
@@ -246,7 +316,7 @@ def _judge_prediction(key: str, what: str, formulas: dict, cases: list, kind) ->
     fname = getattr(fn, "__name__", part)
     verdicts = []
     for case in cases:
-        value, error = setups.call_formula(fn, list(case.units), case.n, key)
+        value, error = answers(part, list(case.units), case.n, key)
         if error:
             return False, f"{fname}(units, {case.n}, {key!r}) raised {error} (units={case.units})"
         if part == "held" and value is not ... and not isinstance(value, Mapping):
@@ -263,7 +333,11 @@ def _judge_prediction(key: str, what: str, formulas: dict, cases: list, kind) ->
                          else None))
     failed = [v for v in verdicts if v[1] is False]
     if not failed:
-        return True, f"within {TOLERANCE:.0%} on {setups.many([c.n for c in cases])} ranks, three model sizes"
+        unseen = _judge_unseen(key, what, part, fname, answers)
+        if unseen:
+            return unseen
+        return True, (f"within {TOLERANCE:.0%} on {setups.many([c.n for c in cases])} ranks, three model sizes "
+                      f"(and on {len(answers.unseen)} models drawn at random)")
     case, _, detail, ratio = failed[0]
     why = _why(key, what, ratio, case.n) if ratio else ""
     if not why and len(failed) < len(verdicts):
@@ -436,7 +510,9 @@ def _out_of_memory(err: RankError) -> tuple[int, str] | None:
 def _large_model(cluster, wraps: dict, kinds: dict, timeout: float) -> dict:
     """Each set-up on the large model on 2 ranks: {"ddp": {...}, "fsdp": {...}} with
     "outcome" ("fits", "out of memory", "over" (measured, not enforced), "failed", None: not
-    run, and "why" not), "rank", "error", "peak" (bytes), "steps_per_second", "enforced".
+    run, and "why" not), "rank", "error", "peak" (bytes), "steps_per_second" (the median
+    step's), "step_seconds" (each step after the first), "enforced"; and "side_by_side": the
+    course's MLP under both set-ups taking steps in turn (``_side_by_side``), first.
     The ranks are restarted afterwards (by a failure, or here)."""
     from ..backends import uses_cuda
 
@@ -447,6 +523,7 @@ def _large_model(cluster, wraps: dict, kinds: dict, timeout: float) -> dict:
                    "why": "judged once the set-up runs" if kinds.get(key) is None else
                    f"not judged: the set-up is not {NAMES[key]}"} for key in NAMES}
     restarted = False
+    found["side_by_side"] = _side_by_side(cluster, wraps, kinds, timeout)
 
     def run(key, limit, observers):
         nonlocal restarted
@@ -478,20 +555,21 @@ def _large_model(cluster, wraps: dict, kinds: dict, timeout: float) -> dict:
                 entry.update(outcome="failed", error=lines[1 if isinstance(err, RankError) else 0][:200])
             continue
         peak = memory.peak(0)[0] if memory else out[0]["peak_added"]
+        speed = {"steps_per_second": held.steps_per_second(0), "step_seconds": held.step_seconds(0)}
         if limit is None:  # a run to measure: its peak and speed
-            entry.update(peak=peak, steps_per_second=held.steps_per_second(0))
+            entry.update(peak=peak, **speed)
             if not enforced:
                 entry.update(outcome="fits" if peak <= budget else "over")
         else:
-            entry.update(outcome="fits", peak=peak, steps_per_second=held.steps_per_second(0))
+            entry.update(outcome="fits", peak=peak, **speed)
     if any(kinds.get(k) for k in NAMES) and not restarted:
         cluster.restart()  # fresh ranks: the malloc setting of these runs goes with the old ones
         warm_up(cluster)
     return found
 
 
-def _judge_large(report: Report, large: dict, formulas: dict) -> None:
-    yours = _your_formulas(formulas)
+def _judge_large(report: Report, large: dict, formulas: dict, answers=None) -> None:
+    yours = _your_formulas(formulas, answers)
     for key in NAMES:
         entry, name = large[key], f"the large model in {BUDGET_MIB} MiB per rank: {NAMES[key]}"
         outcome = entry["outcome"]
@@ -535,15 +613,15 @@ def _mib(nbytes) -> str:
     return "unmeasured" if nbytes is None else f"{nbytes / 2**20:.1f} MiB"
 
 
-def _your_formulas(formulas: dict) -> dict:
+def _your_formulas(formulas: dict, answers) -> dict:
     """{"ddp": "; your formulas say ...", ...}: the learner's own held() on the large model."""
     fn, problem = formulas["held"]
-    if fn is None or problem:
+    if fn is None or problem or answers is None:
         return {}
     units = models.unit_numels(models.build_model("mlp", **LARGE))
     out = {}
     for key in NAMES:
-        value, error = setups.call_formula(fn, list(units), 2, key)
+        value, error = answers("held", list(units), 2, key)
         if error or not isinstance(value, Mapping):
             continue
         values = [setups.as_bytes(value.get(c, ...)) for c in CATEGORIES]
@@ -552,20 +630,116 @@ def _your_formulas(formulas: dict) -> dict:
     return out
 
 
+# --- steps per second, side by side -------------------------------------------------------------
+
+TIMED_STEPS = 9   # steps of each set-up timed in turn on the same ranks, after one untimed step of each
+
+
+def _steps_in_turn(wrap_ddp, wrap_fsdp, sizes: dict, steps: int) -> dict:
+    """On each rank: the course's MLP under each set-up, one Adam step of each in turn (which
+    goes first alternates), ``steps`` of each timed after one untimed warm-up step each (it
+    builds Adam's state). Each step starts from a barrier, so no rank's lag is counted in the
+    next step. Returns {"ddp": [seconds per step], "fsdp": [...]}: both saw the same load."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from ..backends import rank_device
+
+    device = rank_device()
+    x, y = (t.to(device) for t in models.make_dataset("mlp", setups.BATCH, **sizes).tensors)
+    runs = {}
+    for key, wrap in (("ddp", wrap_ddp), ("fsdp", wrap_fsdp)):
+        model = wrap(models.build_model("mlp", **sizes).to(device))
+        runs[key] = (model, torch.optim.Adam(model.parameters(), lr=setups.LR))
+    done = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    seconds = {key: [] for key in runs}
+    for step in range(steps + 1):
+        for key in ("ddp", "fsdp") if step % 2 == 0 else ("fsdp", "ddp"):
+            model, optimizer = runs[key]
+            dist.barrier()
+            start = time.perf_counter()
+            models.loss_fn("mlp", model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            done()
+            if step:
+                seconds[key].append(time.perf_counter() - start)
+    return seconds
+
+
+def _side_by_side(cluster, wraps: dict, kinds: dict, timeout: float) -> dict | None:
+    """The course's MLP under both set-ups on ``cluster``'s ranks, their steps taken in turn:
+    ``_compare`` of rank 0's step times. None unless both set-ups are what they say, or when
+    it fails (the note then gives no ratio; the set-up items judge the set-ups)."""
+    if not (kinds.get("ddp") and kinds.get("fsdp")):
+        return None
+    try:
+        seconds = cluster.run(_steps_in_turn, wraps["ddp"], wraps["fsdp"], SIZES, TIMED_STEPS, timeout=timeout)[0]
+    except (RankError, RankTimeout):
+        warm_up(cluster)
+        return None
+    return _compare(seconds["ddp"], seconds["fsdp"])
+
+
+def _compare(ddp: list, fsdp: list) -> dict | None:
+    """DDP's and FULL_SHARD's steps, timed in turn (seconds, in the order taken), compared:
+    {"ddp"/"fsdp": their ``setups.throughput``, "faster": "ddp" or "fsdp" when the two ranges
+    of steps/s do not overlap (every step of one beat every step of the other), None when they
+    do (within noise); "ratio": the faster one's median steps/s over the other's (DDP's over
+    FULL_SHARD's within noise), "low"/"high": the least and most of that ratio step by step
+    (each pair of steps taken one after the other), "pairs": how many}. None without both."""
+    rates = {"ddp": setups.throughput(ddp), "fsdp": setups.throughput(fsdp)}
+    if not all(rates.values()):
+        return None
+    a, b = rates["ddp"], rates["fsdp"]
+    faster = "ddp" if a["low"] > b["high"] else "fsdp" if b["low"] > a["high"] else None
+    lead, other = ("fsdp", "ddp") if faster == "fsdp" else ("ddp", "fsdp")
+    steps = {"ddp": ddp, "fsdp": fsdp}
+    pairs = [o / f for f, o in zip(steps[lead], steps[other]) if f > 0 and o > 0]
+    return {**rates, "faster": faster, "ratio": rates[lead]["median"] / rates[other]["median"],
+            "low": min(pairs), "high": max(pairs), "pairs": len(pairs)}
+
+
+def _said_side_by_side(compared: dict) -> str:
+    """The two rates with their spread, and the ratio said as a direction only when the
+    ranges do not overlap."""
+    rates = "; ".join(f"{NAMES[k]} {setups.said_rate(compared[k])}" for k in NAMES)
+    spread = (f"{setups.figure(compared['low'])}–{setups.figure(compared['high'])} times step by step, over "
+              f"{compared['pairs']} pairs of steps")
+    faster = compared["faster"]
+    if faster is None:
+        return (f"{rates}: within noise -- the two ranges overlap, so neither is said to be faster here (DDP "
+                f"{setups.figure(compared['ratio'])} times FULL_SHARD's steps/s at the median, {spread})")
+    slower = "fsdp" if faster == "ddp" else "ddp"
+    return (f"{rates}: {NAMES[faster]} is faster, {setups.figure(compared['ratio'])} times {NAMES[slower]}'s "
+            f"steps/s at the median ({spread})")
+
+
 def _explain(cases: list, large: dict, ratio_known: bool) -> str:
     """Peak memory and steps per second, measured, and why; the ratio of the bytes the two
-    send only when ``ratio_known`` (both predictions of it passed)."""
+    send only when ``ratio_known`` (both predictions of it passed). Steps per second are
+    medians with their range; the two set-ups are compared only as measured side by side
+    (``_side_by_side``), by a ratio said as a direction only beyond noise."""
     parts = []
     small = cases[0]
-    rates = {k: small.runs[k][1].steps_per_second(0) for k in NAMES if isinstance(small.runs.get(k), tuple)}
-    if rates:
-        parts.append(f"the course's MLP on {small.n} ranks: " + ", ".join(
-            f"{NAMES[k]} {r:.0f} steps/s" for k, r in rates.items() if r))
+    compared = large.get("side_by_side")
+    if compared:
+        parts.append(f"the course's MLP on 2 ranks, the two set-ups taking steps in turn: {_said_side_by_side(compared)}")
+    else:  # not both what they say: each run's own steps, not compared
+        rates = {k: setups.throughput(small.runs[k][1].step_seconds(0)) for k in NAMES
+                 if isinstance(small.runs.get(k), tuple)}
+        said = [f"{NAMES[k]} {setups.said_rate(r)}" for k, r in rates.items() if r]
+        if said:
+            parts.append(f"the course's MLP on {small.n} ranks, each set-up in a run of its own, so not compared: "
+                         + "; ".join(said))
     sizes = []
     for key in NAMES:
         entry = large[key]
-        if entry.get("peak") is not None or entry.get("steps_per_second"):
-            speed = f", {entry['steps_per_second']:.1f} steps/s" if entry.get("steps_per_second") else ""
+        rate = setups.throughput(entry.get("step_seconds") or [])
+        if entry.get("peak") is not None or rate:
+            speed = f", {setups.said_rate(rate)}" if rate else ""
             where = " (run without the budget)" if key == "ddp" and entry["enforced"] else ""
             sizes.append(f"{NAMES[key]} peak {'+' if entry['enforced'] else ''}{_mib(entry.get('peak'))}{speed}{where}")
     if sizes:
@@ -582,7 +756,8 @@ def _explain(cases: list, large: dict, ratio_known: bool) -> str:
     peak_word = ("the GPU memory a run allocated at its fullest" if large["ddp"].get("on_gpu") else
                  "the resident memory a run added at its fullest" if large["ddp"]["enforced"] else
                  "the Memory observer's peak")
-    return ("Measured on rank 0 (steps/s from the fastest step after the first; peak: " + peak_word + "): "
+    return ("Measured on rank 0 (steps/s: the median step after a warm-up one, and the range from the slowest "
+            "step to the fastest; peak: " + peak_word + "): "
             + " -- ".join(parts) + ". FULL_SHARD buys its memory with communication: it sends " + more
             + " in many small collectives (a gather per unit, twice, and a reduce-scatter), and every collective "
             "pays a fixed cost whatever its size, which these CPU ranks have little compute to hide. On GPUs with "

@@ -33,6 +33,7 @@ from ..memory.ledger import AT_REST
 from ..observe import Comm, Memory
 from . import setups
 from .ranks import RankFailure, blanks_in, clusters_for, run_or_failure
+from . import provenance
 from .report import Report
 
 WORLD_SIZE, SHARD_GROUP = 4, 2   # HYBRID_SHARD: 2 "nodes" of 2 ranks
@@ -60,6 +61,7 @@ REASONS = {
 }
 
 
+@provenance.judged("C")
 def check_c(configs: dict, predict, cluster=None, timeout: float = 180.0) -> Report:
     """Run the learner's four configurations on 4 ranks and judge them, their figures and the
     orderings the figures give."""
@@ -92,6 +94,8 @@ def check_c(configs: dict, predict, cluster=None, timeout: float = 180.0) -> Rep
             report.add(item, None, f"not judged: the set-up is not {name}")
         else:
             ok, detail = _judge_figures(name, figures[name], measured[name])
+            if ok and figures["unseen"][name]:
+                ok, detail = False, figures["unseen"][name]
             report.add(item, ok, detail)
             if ok is not None:
                 judged[name] = figures[name]
@@ -148,10 +152,16 @@ def _figures(predict, units: list) -> tuple[dict, str]:
     if used:
         return {}, (f"refused: {getattr(predict, '__name__', 'predict')}() uses {used}, the course's own calculator "
                     "-- write the figures yourself, from units, world_size and config")
+    unseen = _unseen()
+    answers = setups.Answers({"predict": predict}, [("predict", (u, WORLD_SIZE, name)) for u in [list(units), *unseen]
+                                                   for name in CONFIGS], "from units, world_size and config")
+    refused = answers.refusal("predict")
+    if refused:
+        return {}, refused
     fname = getattr(predict, "__name__", "predict")
-    figures = {}
+    figures = {"unseen": _judge_unseen(answers, unseen, fname)}
     for name in CONFIGS:
-        value, error = setups.call_formula(predict, list(units), WORLD_SIZE, name)
+        value, error = answers("predict", list(units), WORLD_SIZE, name)
         if error:
             return {}, f"{fname}(units, {WORLD_SIZE}, {name!r}) raised {error}"
         if value is ...:
@@ -159,9 +169,52 @@ def _figures(predict, units: list) -> tuple[dict, str]:
         if not isinstance(value, Mapping):
             return {}, f"{fname}() returned a {type(value).__name__}: a dict of 'at_rest', 'peak', 'sent_per_step'"
         figures[name] = {k: setups.as_bytes(value.get(k, ...)) for k in FIGURES}
-    if all(v is ... for f in figures.values() for v in f.values()):
+    if all(v is ... for n, f in figures.items() if n != "unseen" for v in f.values()):
         return {}, "no prediction yet"
     return figures, ""
+
+
+def _unseen(draw=None) -> list[list]:
+    """Units of 2 MLPs like the judged one but drawn now: a table of its answers has no entry
+    for them."""
+    import random
+
+    draw = draw or random.Random()
+    out = []
+    while len(out) < 2:
+        sizes = {"d_hidden": draw.choice((80, 96, 112, 144, 160)), "depth": draw.choice((3, 5, 6))}
+        out.append(models.unit_numels(models.build_model("mlp", **sizes)))
+    return out
+
+
+def _judge_unseen(answers, unseen: list, fname: str) -> dict:
+    """{config: "" or why its figures fail on a model no rank ran}: next to the reference's
+    figures (within twice the tolerance: both are judged against measurements within it)."""
+    import importlib
+
+    from . import provenance
+
+    with provenance.quiet():   # the course reading its reference: not the learner's read
+        reference = importlib.import_module(f"{__package__}.solutions.configs_c").predict
+    out = {}
+    for name in CONFIGS:
+        out[name] = ""
+        for units in unseen:
+            value, error = answers("predict", units, WORLD_SIZE, name)
+            if error:
+                out[name] = f"{fname}(units, {WORLD_SIZE}, {name!r}) raised {error} (units={units}, a model no rank ran)"
+                break
+            want = reference(units, WORLD_SIZE, name)
+            for key in FIGURES:
+                got = setups.as_bytes(value.get(key, ...)) if isinstance(value, Mapping) else value
+                ok, detail = setups.miss(got, want[key], 2 * (PEAK_TOLERANCE if key == "peak" else TOLERANCE))
+                if ok is not True:
+                    out[name] = (f"for units={units}, a model no rank ran, its {FIGURES[key]} is {detail} next to what "
+                                 f"{name} holds and sends there: figures follow from units alone, for any model")
+                    break
+            if out[name]:
+                break
+    return out
 
 
 def _judge_figures(name: str, figures: dict, measured: dict) -> tuple[bool | None, str]:

@@ -23,6 +23,7 @@ from ..collectives.schedule import chunk_bounds, ring_all_gather_steps, ring_red
 from ..collectives.trace import Trace, Transfer
 from ..collectives.traced import rank_input
 from ..pool.ranks.tracker import TRACKER
+from . import provenance
 from .report import Report
 from .ranks import RankFailure, blanks_in, clusters_for, run_or_failure
 
@@ -116,6 +117,7 @@ def _on_rank(phase: str, reduce_scatter, all_gather, numel: int, seed: int):
     return x, t, expected, seen.sent
 
 
+@provenance.judged("D")
 def check_d(reduce_scatter, all_gather, cluster=None, world_sizes=WORLD_SIZES,
             timeout: float = TIMEOUT) -> RingReport:
     """Run the learner's ring on real ranks and say, item by item, what is right.

@@ -28,6 +28,7 @@ from .. import models
 from ..observe import Comm, Timeline
 from ..scratch.bucketed import assign_buckets
 from .ranks import RankFailure, blanks_in, clusters_for, run_or_failure
+from . import provenance
 from .report import Report
 
 MODEL, SIZES = "mlp", {"d_hidden": 512, "depth": 4}
@@ -108,6 +109,7 @@ def _train(wrap):
     train(config(dist.get_world_size()), wrap=wrap)
 
 
+@provenance.judged("E")
 def check_e(cls, cluster=None, timeout: float = 60.0) -> DDPReport:
     """Train ``cls`` and torch DDP side by side on the ranks; say item by item what is right.
 

@@ -22,7 +22,8 @@ from .. import models
 from . import equivalence as eq
 from . import script_check as sc
 from .exercise_a import ARGS as A_ARGS
-from .observe import read_log
+from .observe import log_lines, read_log
+from . import provenance
 from .report import Report
 
 MAX_NORM = float(A_ARGS[A_ARGS.index("--max-norm") + 1])
@@ -39,6 +40,7 @@ ITEMS = {"sharded": "each rank's optimizer steps about 1/2 of every parameter, a
 TIED = "is shared with a parameter already managed by another FSDP group"
 
 
+@provenance.judged("F")
 def check_f(path: str = "train_lm_fsdp.py", timeout: float = 240.0) -> Report:
     """Run the learner's FSDP2 script on 2 ranks under torchrun and say, item by item, what is right."""
     return sc.check_script(Report("Exercise F", key="F"), path, "shard it with fully_shard", SETTING, timeout,
@@ -49,9 +51,12 @@ def _judge(report: Report, run, single: sc.SingleRun, setting: sc.Setting, timeo
     logs = [read_log(run.observed, r) for r in range(sc.WORLD_SIZE)]
     finished = sc.judge_completion(report, run, logs, timeout, "under FSDP a forward pass and gathering a full "
                                    "state dict are collectives too: which ranks must take part in them?")
-    if TIED in run.output:
+    if TIED in run.output and TIED not in report.items[0].detail:
         report.items[0].detail += ("\nThe token embedding and the head are one Parameter, used at both ends of "
                                    "the model: which unit can hold both of its users?")
+    uneven = None if finished else _uneven_validation(run.observed)
+    if uneven:
+        report.items[0].detail += "\n" + uneven
     sc.judge_sampling(report, logs, finished, int(setting.arg("--num-samples")))
     report.add(ITEMS["sharded"], *_judge_shards(logs))
     report.add(ITEMS["units"], *_judge_units(logs))
@@ -62,6 +67,59 @@ def _judge(report: Report, run, single: sc.SingleRun, setting: sc.Setting, timeo
     eq.judge_the_outcome(report, run, logs, single, setting, finished, _judge_checkpoint,
                          "do all ranks build the same initial weights before "
                          "sharding (fully_shard does not broadcast)? the same learning rate and --max-norm?")
+
+
+def _passes(directory: str, rank: int) -> list[dict]:
+    """One rank's DataLoader passes in order, each {"reads", "backwards", "steps", "gathers",
+    "step": optimizer steps before its first collective, "comms": the optimizer steps before
+    each collective it issued}: read from the log line by line, a line belonging to the pass
+    that last began or handed out a sample."""
+    passes: dict[int, dict] = {}
+    current = None
+    for line in log_lines(directory, rank):
+        kind, _, rest = line.partition(" ")
+        args = rest.split(" ")
+        if kind in ("pass", "read"):
+            current = passes.setdefault(int(args[0]), {"reads": 0, "backwards": 0, "steps": 0, "gathers": 0,
+                                                        "step": None, "comms": []})
+            current["reads"] += kind == "read"
+        elif current is None:
+            continue
+        elif kind == "backward":
+            current["backwards"] += 1
+        elif kind == "step":
+            current["steps"] += 1
+        elif kind == "comm" and len(args) > 1:
+            current["comms"].append(int(args[0]))
+            current["gathers"] += args[1] == "all_gather"
+            current["step"] = int(args[0]) if current["step"] is None else current["step"]
+    return [passes[k] for k in sorted(passes)]
+
+
+def _uneven_validation(directory: str) -> str | None:
+    """Under FSDP every forward pass all-gathers each unit's parameters: a collective. When a
+    rank ran a validation pass (data read, forward passes that all-gathered, no backward) that
+    another rank did not run, because that rank went on with other collectives meanwhile, the
+    words that say so; else None."""
+    passes = [_passes(directory, r) for r in range(sc.WORLD_SIZE)]
+    scoring = [[p for p in rank_passes if p["reads"] and p["gathers"] and not p["backwards"] and not p["steps"]]
+               for rank_passes in passes]
+    for a in range(sc.WORLD_SIZE):
+        for b in range(sc.WORLD_SIZE):
+            if len(scoring[a]) <= len(scoring[b]):
+                continue
+            alone = scoring[a][len(scoring[b])]
+            others = [p for p in passes[b] if all(p is not q for q in scoring[b])]
+            elsewhere = [s for p in others for s in p["comms"] if s >= alone["step"]]
+            if not elsewhere:
+                continue
+            return (f"Rank {a} ran a validation pass after {alone['step']} optimizer steps (forward passes over "
+                    f"{alone['reads']} sequences, {alone['gathers']} all-gathers) that rank {b} never ran: rank {b} "
+                    "went on with other collectives meanwhile, so the ranks met in collectives that do not "
+                    "match. Under FSDP a forward pass is a collective -- every unit all-gathers its parameters "
+                    "from all ranks -- so every rank must run the same validation forwards, as many batches in "
+                    "the same order, even if only rank 0 prints the result.")
+    return None
 
 
 def _judge_shards(logs) -> tuple[bool | None, str]:

@@ -24,10 +24,12 @@ line to ``<dir>/rank<R>.log``:
 * ``done ID`` when collective ``ID`` has completed on this rank (``wait ID`` first, when a
   functional one starts to be waited for), so a collective waited in is one without ``done``;
 * ``lr S LR`` before step ``S``: the first parameter group's learning rate;
-* ``backward S N`` when a backward pass starts (the ``N``-th since step ``S - 1``) and
+* ``backward S N N2`` when a backward pass starts (the ``N``-th since step ``S - 1``) and
   ``backward_end N2`` when it returns: the collectives between them ran inside it, and
   ``N2`` is the sum of squares of the gradients of every optimizer's parameters this rank
-  holds then (the last before step ``S``: the step's gradient, before any clipping).
+  holds then (the last before step ``S``: the step's gradient, before any clipping); the
+  start's ``N2`` against the previous end's shows what changed the gradients between two
+  backward passes of one step (clipping or zeroing a gradient that is not complete yet).
 
 Patched inside the recorder only, and put back as it was when it is left (what the learner's
 script calls, where nothing public sees it): ``make_dataset``, ``DataLoader.__iter__``,
@@ -278,15 +280,17 @@ class ScriptRecorder:
         state, note, optimizers = self.state, self.note, self.optimizers
         backward = torch.autograd.backward  # Tensor.backward calls it too
 
+        def squares() -> float:
+            return _squares([p for o in list(optimizers) for group in o.param_groups for p in group["params"]])
+
         @functools.wraps(backward)
         def observed_backward(*args, **kwargs):
             state["backwards"] += 1
-            note(f"backward {self.steps} {state['backwards']}")
+            note(f"backward {self.steps} {state['backwards']} {squares()!r}")
             try:
                 return backward(*args, **kwargs)
             finally:
-                params = [p for o in list(optimizers) for group in o.param_groups for p in group["params"]]
-                note(f"backward_end {_squares(params)!r}")
+                note(f"backward_end {squares()!r}")
 
         self._patch(torch.autograd, "backward", observed_backward)
 
@@ -370,14 +374,15 @@ def read_log(directory: str, rank: int) -> dict:
     ``evaluations``: those of each pass that read data without a step, ``other_passes``:
     how many such passes; ``saves``; ``destroyed``; ``grads``: {step: sum of squares};
     ``before_clip``: {step: the same after the step's last backward}; ``lrs``: {step: rate};
-    ``backwards``: {step: backward passes before it}; ``shards``: (local, global, dtensors,
+    ``backwards``: {step: backward passes before it}; ``accumulated``: {step: [(sum of squares
+    as each backward pass began, as it ended), ...]}; ``shards``: (local, global, dtensors,
     params) or None; ``comms``: [(step, collective, dtype, bytes, group size, number,
     backward)], ``backward`` the backward pass of that step it ran in (0: outside any), the
     c10d collectives (DDP's, FSDP's, ``dist.*``); ``functional``: the same for DTensor's.
     """
     passes: dict[int, dict] = {}
     log = {"saves": [], "destroyed": False, "grads": {}, "before_clip": {}, "lrs": {}, "backwards": {},
-           "shards": None, "comms": [], "functional": []}
+           "accumulated": {}, "shards": None, "comms": [], "functional": []}
     inside = step = 0
     for line in log_lines(directory, rank):
         kind, _, rest = line.partition(" ")
@@ -395,10 +400,15 @@ def read_log(directory: str, rank: int) -> dict:
         elif kind == "backward":
             inside, step = int(args[1]), int(args[0])
             log["backwards"][step] = inside
+            if len(args) > 2:
+                log["accumulated"].setdefault(step, []).append((float(args[2]), None))
         elif kind == "backward_end":
             inside = 0
             if args[0]:
                 log["before_clip"][step] = float(args[0])
+                passes_of_step = log["accumulated"].get(step)
+                if passes_of_step and passes_of_step[-1][1] is None:
+                    passes_of_step[-1] = (passes_of_step[-1][0], float(args[0]))
         elif kind == "shards":
             log["shards"] = tuple(int(a) for a in args)
         elif kind == "comm":

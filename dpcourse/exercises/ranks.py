@@ -3,7 +3,9 @@
 * ``blanks_in(fn_or_class)``: how many ``...`` placeholders of a starter are still there.
 * ``clusters_for(cluster, world_sizes)``: the clusters a check needs, reusing the learner's.
 * ``run_or_failure(cluster, fn, ...)``: ``cluster.run``, with a rank's exception or a hang
-  returned as a ``RankFailure`` a checker can put in an item (the cluster stays usable).
+  returned as a ``RankFailure`` a checker can put in an item (the cluster stays usable); a
+  known PyTorch error keeps its message and gains the course's sentence on its likely cause
+  (``known_errors.py``).
 
 A fresh rank process imports the checker's modules (this package pulls in
 ``dpcourse.scratch``) when it first unpickles a checker function: seconds on a busy
@@ -20,6 +22,8 @@ import types
 from dataclasses import dataclass
 
 from ..pool import Cluster, RankError, RankTimeout
+from ..pool.errors import lost_a_peer
+from .known_errors import with_hint
 
 
 def _code_blanks(code: types.CodeType) -> int:
@@ -65,19 +69,49 @@ def blanks_in(obj) -> int:
 def clusters_for(cluster, world_sizes):
     """{world_size: Cluster} for ``world_sizes``: the given cluster(s) where their size fits,
     fresh ones (shut down on exit) for the others."""
+    from . import provenance
+
     given = cluster if isinstance(cluster, (list, tuple)) else [cluster] if cluster is not None else []
     clusters = {c.world_size: c for c in given}
     started = []
     try:
         for n in world_sizes:
             if n not in clusters:
-                clusters[n] = Cluster(world_size=n, timeout=60)
+                clusters[n] = Cluster(world_size=n, timeout=60, current=False)
                 started.append(clusters[n])
             warm_up(clusters[n])
+            provenance.from_cluster(clusters[n], keep=False)   # what the ranks read before: not this check's
         yield clusters
     finally:
+        for c in clusters.values():
+            provenance.from_cluster(c)   # a reference the learner's code read on a rank
         for c in started:
             c.shutdown()
+
+
+_judges: dict[int, Cluster] = {}
+
+
+def judge_cluster(world_size: int) -> Cluster:
+    """A cluster of ``world_size`` ranks of the checkers' own, kept for the kernel's life (a
+    second world size for every check after the first): started on first use, warmed up,
+    started again if it was shut down; never the one ``%%ranks`` uses."""
+    cluster = _judges.get(world_size)
+    if cluster is None or cluster.closed:
+        cluster = _judges[world_size] = Cluster(world_size=world_size, timeout=60, current=False)
+        warm_up(cluster)
+    return cluster
+
+
+def close_judges() -> None:
+    """Shut the checkers' own clusters down now (they also end with the kernel)."""
+    while _judges:
+        _judges.popitem()[1].shutdown()
+
+
+def other_world_size(world_size: int) -> int:
+    """The second world size a check judges at: 3 next to a notebook's 2 (or 1), else 2."""
+    return 3 if world_size <= 2 else 2
 
 
 @dataclass
@@ -105,6 +139,9 @@ class RankFailure:
 
 
 def _ready() -> bool:
+    from . import provenance
+
+    provenance.install()   # from now on, a reference read on this rank is recorded
     return True
 
 
@@ -115,17 +152,26 @@ def warm_up(cluster, timeout: float = 180.0) -> None:
 
 def run_or_failure(cluster, fn, *args, timeout: float, **kwargs):
     """``cluster.run(fn, *args, **kwargs)``'s results, or a ``RankFailure`` if a rank raised
-    or the call did not finish within ``timeout`` seconds."""
+    or the call did not finish within ``timeout`` seconds. A raise is told by the first rank
+    whose error is its own, PyTorch's message kept and the course's sentence on its likely
+    cause added where ``known_errors`` knows one."""
     try:
         return cluster.run(fn, *args, timeout=timeout, **kwargs)
-    except RankTimeout as err:
-        stuck = [r for r in err.reports.values() if r.state == "running"] or list(err.reports.values())
-        failure = RankFailure("hang", "; ".join(f"rank {r.rank} {r.summary}".strip() for r in stuck[:2]))
-    except RankError as err:
-        if err.failures:
-            first = err.failures[min(err.failures)]
-            failure = RankFailure("raised", f"rank {first.rank} {first.summary}")
-        else:
-            failure = RankFailure("raised", str(err).splitlines()[0])
+    except (RankTimeout, RankError) as err:
+        failure = failure_of(err)
     warm_up(cluster)  # the failure restarted the ranks: fresh processes, nothing imported
     return failure
+
+
+def failure_of(err: RankTimeout | RankError) -> RankFailure:
+    """The ``RankFailure`` a call that raised ``err`` ended in: where the stuck ranks waited,
+    or the first rank whose error is its own (a rank that only lost a peer echoes another's),
+    with the course's sentence for a known PyTorch error."""
+    if isinstance(err, RankTimeout):
+        stuck = [r for r in err.reports.values() if r.state == "running"] or list(err.reports.values())
+        return RankFailure("hang", "; ".join(f"rank {r.rank} {r.summary}".strip() for r in stuck[:2]))
+    if not err.failures:
+        return RankFailure("raised", with_hint(str(err).splitlines()[0]))
+    own = [r for r in sorted(err.failures) if not lost_a_peer(err.failures[r])] or sorted(err.failures)
+    first = err.failures[own[0]]
+    return RankFailure("raised", with_hint(f"rank {first.rank} {first.summary}"))

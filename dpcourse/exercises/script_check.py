@@ -10,6 +10,7 @@ behind it, never the line that fixes it.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -20,7 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from .. import models
-from . import starters
+from . import provenance, starters
+from .known_errors import first_cause, lost_a_peer, with_hint
 from .observe import read_log
 from .report import Report
 from .torchrun import PACKAGE_ROOT, SITE, aborted_at_exit, torchrun
@@ -45,9 +47,19 @@ class Setting:
     grad_tolerance: float
     weight_tolerance: float
     sync_idea: str  # the question a failed synchronisation item asks
+    # the batch size of a second run, judged once the first passes: four times the micro-batches
+    # (still a whole number of optimizer steps per epoch) and, on each rank, another number of
+    # validation batches (37 sequences on 2 ranks are 19 and 18: in batches of 2, 10 on one rank
+    # and 9 on the other, where batches of 8 make 3 on each)
+    second_batch_size: int = 2
 
     def arg(self, name: str) -> str:
         return self.args[self.args.index(name) + 1]
+
+    def with_batch_size(self, size: int) -> "Setting":
+        args = list(self.args)
+        args[args.index("--batch-size") + 1] = str(size)
+        return dataclasses.replace(self, args=args)
 
 
 @dataclass
@@ -63,7 +75,9 @@ class SingleRun:
 def check_script(report: Report, path: str, unchanged: str, setting: Setting, timeout: float, judge) -> Report:
     """Run the learner's script on 2 ranks under torchrun (and the starter as one process
     beside it) and have ``judge(report, run, single, setting, timeout)`` fill the report;
-    "not attempted" when the script is missing or still the starter."""
+    once it passes, again with ``setting.second_batch_size``, where a script right for one
+    batch size only fails, saying which; "not attempted" when the script is missing or still
+    the starter."""
     if not os.path.exists(path):
         report.attempted = False
         report.note = f"Write {path!r} (start from a copy of train_lm.py), then run this cell again."
@@ -72,13 +86,32 @@ def check_script(report: Report, path: str, unchanged: str, setting: Setting, ti
         report.attempted = False
         report.note = f"{path!r} is still train_lm.py, unchanged: {unchanged}."
         return report
-    pending = _start_single(setting.args)
-    with tempfile.TemporaryDirectory(prefix="dpcourse-check-") as work:
-        run = torchrun(path, setting.args, work, WORLD_SIZE, timeout)
-        judge(report, run, pending(), setting, timeout)
+    _judge_run(report, path, setting, timeout, judge)
+    if report.passed and setting.second_batch_size:
+        first, other = setting.arg("--batch-size"), setting.with_batch_size(setting.second_batch_size)
+        again = dataclasses.replace(report, items=[], note="")
+        _judge_run(again, path, other, timeout, judge)
+        if again.passed:
+            report.note = f"Judged with --batch-size {first} and again with {setting.second_batch_size}."
+        else:
+            for item in again.items:
+                if item.status == "fail":
+                    item.detail = f"with --batch-size {setting.second_batch_size} (it passed with {first}): {item.detail}"
+            report.items = again.items
+    with open(path, errors="replace") as f, open(starters.path("train_lm")) as g:
+        if provenance.embeds(f.read(), report.key, g.read()):
+            provenance.shown(report.key)     # its text is in the script: the report says so
     if not report.passed:
         report.note = "Each failed item says what the ranks did. To compare with a reference: report.fix()."
     return report
+
+
+def _judge_run(report: Report, path: str, setting: Setting, timeout: float, judge) -> None:
+    pending = _start_single(setting.args)
+    with tempfile.TemporaryDirectory(prefix="dpcourse-check-") as work:
+        run = torchrun(path, setting.args, work, WORLD_SIZE, timeout)
+        provenance.from_log(run.observed)   # a reference the script's workers read
+        judge(report, run, pending(), setting, timeout)
 
 
 def single_args(args: list[str]) -> list[str]:
@@ -136,6 +169,10 @@ def judge_completion(report: Report, run, logs: list[dict], timeout: float, exam
                   "while Python exited, a known race in Gloo's teardown, not your script")
     else:
         detail = f"torchrun exited with code {run.returncode}:\n{error_excerpt(run.output, run.script)}"
+        if lost_a_peer(detail):  # this rank only lost its peer: what the other said first, when it is known
+            cause = first_cause(run.output)
+            detail += f"\nAnother rank said first: {cause}" if cause else ""
+        detail = with_hint(detail)
     report.add("runs to completion on 2 ranks", finished and not run.timed_out, detail)
     return finished and not run.timed_out
 

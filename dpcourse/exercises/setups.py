@@ -10,6 +10,8 @@ the learner's runs in the kernel.
 """
 from __future__ import annotations
 
+import os
+
 from ..observe.observer import Observer
 from ..train import TrainConfig, train
 from ..train.runner import train_single_process
@@ -30,7 +32,11 @@ def train_wrapped(wrap, sizes: dict, steps: int = STEPS, weights: bool = True):
     import torch.distributed as dist
 
     def checked(model):
-        wrapped = wrap(model)
+        with course_code_called() as called:
+            wrapped = wrap(model)
+        if called:
+            raise TypeError(f"refused: the wrap function calls the course's own code ({called[0]}) -- write the "
+                            "wrapping yourself, with PyTorch's API")
         if not hasattr(wrapped, "parameters"):
             raise TypeError(f"the wrap function returned a {type(wrapped).__name__}, not the wrapped model: "
                             "end it with `return model` (or the wrapper it built)")
@@ -41,6 +47,46 @@ def train_wrapped(wrap, sizes: dict, steps: int = STEPS, weights: bool = True):
     api = ("fsdp1" if applied.startswith("FullyShardedDataParallel") else
            "fsdp2" if applied.startswith("FSDP") else "other")
     return {"weights": metrics.get("state"), "api": api}
+
+
+# the course's own code that a learner's set-up may not call: its training code, the from-scratch
+# wrappers, the calculators, the references
+COURSE_ROOMS = ("train", "scratch", "memory", "collectives", os.path.join("exercises", "solutions"))
+
+
+class course_code_called:
+    """Within: every Python function of ``COURSE_ROOMS`` this thread calls, as a notebook spells
+    it (``dpc.train.parallel.apply_fsdp``), in the list it yields -- what a set-up does, not
+    what its names say."""
+
+    def __enter__(self) -> list:
+        import sys
+
+        package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        rooms = tuple(os.path.join(package, room) + os.sep for room in COURSE_ROOMS)
+        # not the learner's: the course's code and what is installed (torch calling the course's
+        # observers is the course watching, not the set-up reaching for it)
+        others = (package + os.sep, *{os.path.realpath(p) + os.sep for p in (sys.prefix, sys.base_prefix)},
+                  *{p + os.sep for p in (sys.prefix, sys.base_prefix)})
+        self.called, self._before = [], sys.getprofile()
+
+        def profile(frame, event, arg):
+            if (event == "call" and frame.f_code.co_filename.startswith(rooms) and len(self.called) < 8
+                    and frame.f_back is not None and not frame.f_back.f_code.co_filename.startswith(others)):
+                module = frame.f_globals.get("__name__", "")
+                name = f"{module.replace('dpcourse', 'dpc', 1)}.{frame.f_code.co_name}"
+                if name not in self.called:
+                    self.called.append(name)
+
+        sys.setprofile(profile)
+        return self.called
+
+    def __exit__(self, *exc):
+        import sys
+
+        sys.setprofile(self._before)
+        # in the order called, public functions first: what the learner's code named, not a dunder
+        self.called.sort(key=lambda name: name.split(".")[-1].startswith("_"))
 
 
 def one_process(sizes: dict, world_size: int, steps: int = STEPS) -> dict:
@@ -96,7 +142,7 @@ class AtRest(Observer):
 
         held = AtRest(); cluster.run(train_wrapped, wrap, sizes, observe=[held])
         held.at_rest(rank=0)   # {"parameters": ..., "gradients": ..., "optimizer_state": ..., ...}
-        held.steps_per_second(rank=0)   # from the fastest step after the first
+        held.steps_per_second(rank=0)   # the median step's rate after the first
     """
 
     NAME = "held"   # in the message when nothing was observed yet
@@ -131,12 +177,45 @@ class AtRest(Observer):
             raise RuntimeError(f"rank {rank} ran no optimizer step")
         return dict(held)
 
-    def steps_per_second(self, rank: int = 0) -> float | None:
-        """One over the fastest step after the first (the first builds Adam's state; other
-        work on the machine only ever adds time); None with fewer than three steps."""
+    def step_seconds(self, rank: int = 0) -> list[float]:
+        """How long each step after the first took on ``rank``, in seconds, from one step's
+        end to the next's (the first step, which builds Adam's state, is the warm-up)."""
         ends = self.of_rank(rank)["ends"]
-        steps = [b - a for a, b in zip(ends, ends[1:])]
-        return 1 / min(steps) if steps and min(steps) > 0 else None
+        return [b - a for a, b in zip(ends, ends[1:])]
+
+    def steps_per_second(self, rank: int = 0) -> float | None:
+        """The median step's rate after the first (``throughput`` of ``step_seconds``, which
+        gives the spread too); None with fewer than two steps."""
+        rate = throughput(self.step_seconds(rank))
+        return rate["median"] if rate else None
+
+
+def throughput(seconds) -> dict | None:
+    """Steps per second from timed steps (``seconds``, one per step): {"median": the median
+    step's rate, "low"/"high": the slowest and the fastest step's, "steps": how many}; None
+    without a timed step.
+
+    The median, not the fastest step: on a loaded machine other work takes time from some
+    steps and not from others, so one lucky step says little; the range says how much it swung."""
+    import statistics
+
+    seconds = [s for s in seconds if s > 0]
+    if not seconds:
+        return None
+    return {"median": 1 / statistics.median(seconds), "low": 1 / max(seconds), "high": 1 / min(seconds),
+            "steps": len(seconds)}
+
+
+def figure(x: float) -> str:
+    """A rate or a ratio to two or three significant figures: 114, 7.7, 0.42."""
+    return f"{x:.0f}" if x >= 10 else f"{x:.1f}" if x >= 1 else f"{x:.2f}"
+
+
+def said_rate(rate: dict) -> str:
+    """"median 77 steps/s, range 60–90 over 7 steps"."""
+    steps = f"{rate['steps']} step" + ("s" if rate["steps"] != 1 else "")
+    return (f"median {figure(rate['median'])} steps/s, range {figure(rate['low'])}–{figure(rate['high'])} "
+            f"over {steps}")
 
 
 # --- the learner's formulas ----------------------------------------------------------------------
@@ -246,6 +325,48 @@ def _filled(cell) -> bool:
     except ValueError:  # a closure variable not assigned yet
         return False
     return True
+
+
+class Answers:
+    """A learner's formulas' values, computed where the course cannot be reached
+    (``sandbox.evaluate``): ``answers(part, *args)`` is (value, "") or (None, what it raised);
+    ``refusal(part)`` is "" or why that formula is refused -- it reached for the course's code
+    there, or its code is a copy of the course's calculators (``sandbox.copied_from``)."""
+
+    def __init__(self, fns: dict, calls: list, what: str):
+        from . import provenance, sandbox
+
+        self.fns = fns
+        out = sandbox.evaluate(fns, calls)
+        self.problem = out["problem"]
+        self.values = {(part, repr(args)): r for (part, args), r in zip(calls, out["results"])}
+        texts = out["compiled"] + list(out["modules"].values())
+        texts += [t for fn in fns.values() for t in sandbox.learner_sources(fn)]
+        self.copied = sandbox.copied_from(texts)
+        self.used_reference = bool(self.copied and self.copied.startswith("the reference"))
+        if self.used_reference:
+            provenance.shown(self.copied.split()[-1])
+        self.what = what
+
+    def __call__(self, part: str, *args) -> tuple[object, str]:
+        if self.problem:
+            return None, self.problem
+        value, error = self.values.get((part, repr(args)), (None, "not computed"))
+        return value, error
+
+    def refusal(self, part: str) -> str:
+        from .sandbox import UNREACHABLE
+
+        name = getattr(self.fns.get(part), "__name__", part)
+        reached = next((e for (p, _), (_, e) in self.values.items() if p == part and e.startswith(UNREACHABLE)),
+                       self.problem if self.problem.startswith(UNREACHABLE) else "")
+        if reached:
+            return (f"refused: {name}() reaches for the course's code, which formulas are judged without "
+                    f"({reached.split(': ', 1)[-1]}) -- write the formula yourself, {self.what}")
+        if self.copied and not self.used_reference:
+            return (f"refused: {name}()'s code is a copy of {self.copied}, the course's own calculator -- "
+                    f"write the formula yourself, {self.what}")
+        return ""
 
 
 def call_formula(fn, *args) -> tuple[object, str]:

@@ -25,7 +25,8 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-from ..ranks import RankFailure, blanks_in, run_or_failure
+from .. import provenance
+from ..ranks import RankFailure, blanks_in, judge_cluster, other_world_size, run_or_failure
 from ..report import Report
 
 # the module of checkers for each chapter (imported when one of its try-its is checked)
@@ -105,6 +106,25 @@ def on_ranks(fn, *items: str, timeout: float, runs: str = RUNS, warm_up: Callabl
     return make
 
 
+def _again(tryit: TryIt, answer, first: Report, world_size: int) -> Report:
+    """``first`` (passed on ``world_size`` ranks) judged again on the other world size: the
+    report of that run, its failed items saying where it passed, when it fails there."""
+    n = other_world_size(world_size)
+    judge = judge_cluster(n)
+    provenance.from_cluster(judge, keep=False)
+    again = tryit.check(answer, judge)
+    provenance.from_cluster(judge)
+    if again.passed:
+        first.note = (first.note + " " if first.note else "") + f"Judged on {world_size} ranks and again on {n}."
+        return first
+    for item in again.items:
+        if item.status == "fail":
+            item.detail = f"on {n} ranks (it passed on {world_size}): {item.detail}"
+    again.note = (f"It passed on {world_size} ranks and fails on {n}: an answer must hold for any number of "
+                  "ranks (dist.get_world_size()), not only the notebook's.")
+    return again
+
+
 def load_all() -> dict[str, TryIt]:
     """Every try-it of every chapter, by name."""
     for module in MODULES.values():
@@ -121,8 +141,18 @@ def reference(name: str) -> str:
         return f.read()
 
 
-def check(chapter: str, name: str, answer, cluster=None) -> Report:
-    """Judge the learner's ``answer`` to try-it ``name`` of ``chapter`` on ``cluster``'s ranks."""
+def check(chapter: str, name: str, answer, cluster=None, second: bool = True) -> Report:
+    """Judge the learner's ``answer`` to try-it ``name`` of ``chapter`` on ``cluster``'s ranks
+    and, once it passes there, again on another world size (``ranks.other_world_size``: 3 next
+    to a notebook's 2), so an answer right only for the notebook's ranks fails and says which
+    size broke it. ``second=False``: the notebook's ranks only."""
+    since = provenance.mark()
+    report = _check(chapter, name, answer, cluster, second)
+    report.references = provenance.used(name, since)
+    return report
+
+
+def _check(chapter: str, name: str, answer, cluster, second: bool) -> Report:
     known = load_all()
     if name not in known or known[name].chapter != str(chapter):
         here = sorted(n for n, t in known.items() if t.chapter == str(chapter))
@@ -135,7 +165,11 @@ def check(chapter: str, name: str, answer, cluster=None) -> Report:
         return report
     if cluster is None:
         raise ValueError("pass the notebook's cluster: check_answer(..., cluster) runs your code on its ranks")
+    provenance.from_cluster(cluster, keep=False)   # what its ranks read before: not this check's
     report = tryit.check(answer, cluster)
+    provenance.from_cluster(cluster)
+    if second and report.passed:
+        report = _again(tryit, answer, report, cluster.world_size)
     report.title, report.key = f"Try it: {tryit.asks}", name
     if not report.passed and not report.note:
         report.note = f"When you want to compare with a reference: dpc.exercises.solution({name!r})."

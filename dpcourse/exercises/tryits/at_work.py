@@ -99,11 +99,16 @@ def _judge_shared(report: Report, item: str, got: list) -> bool:
                 f"{got[r]['seen'].count(dup[0])} times)")
         report.add(item, False, f"rank {r} read {said}: the rank went through its own part again. How many "
                                 "passes over its part does one evaluation make?")
-    elif twice:
+    elif twice and len({len(g["seen"]) for g in got}) == 1 and len(twice) < len(got):
         i, ranks = next(iter(twice.items()))
         report.add(item, False, f"sample {i} was counted by {_ranks(set(ranks))}: {N_EVAL} samples do not "
                                 f"divide among {len(got)} ranks, and the parts were made equal by repeating "
                                 "samples. Must every rank read as many samples in evaluation?")
+    elif twice:  # parts that overlap beyond an even-out: they were not cut by this world size
+        i, ranks = next(iter(twice.items()))
+        report.add(item, False, f"sample {i} was counted by {_ranks(set(ranks))}, and {len(twice)} samples in all "
+                                f"by more than one rank on {len(got)} ranks: the parts overlap. Are they cut by "
+                                "the number of ranks there are, each rank taking the part its rank names?")
     elif missing:
         report.add(item, False, f"samples {missing[:4]} were read by no rank: the uneven tail was left out. "
                                 "Must every rank read as many samples in evaluation?")

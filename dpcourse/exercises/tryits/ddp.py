@@ -147,6 +147,12 @@ def _overlap(epoch: int, runs: list[list[int]]) -> str | None:
         who = "by ranks " + " and ".join(map(str, sorted(set(ranks))))
     else:
         who = f"{len(ranks)} times by rank {ranks[0]}"
+    total = sum(len(order) for order in runs)
+    if len(reads) < min(total, N_ITEMS):   # padding repeats a few and leaves none out: this left some out
+        return (f"in epoch {epoch}, sample {i} was read {who}, and {N_ITEMS - len(reads)} of the {N_ITEMS} "
+                "samples by no rank: each rank took its part of a permutation of its own -- the ranks "
+                "shuffled with different seeds, so their parts overlap and miss samples. The parts are "
+                "slices of one shared shuffle only when every rank shuffles with the same seed")
     return (f"in epoch {epoch}, sample {i} was read {who}: to give every rank as many samples, "
             "the sampler repeated some to fill up the uneven tail")
 
@@ -167,6 +173,10 @@ def _unequal(by_epoch: list[list[list[int]]], world: int) -> str | None:
     if sum(counts) > N_ITEMS:
         return (f"the {world} ranks read {sum(counts)} samples per epoch from a dataset of {N_ITEMS}: the "
                 "sampler padded the parts with repeated samples. What makes it leave out the uneven tail instead?")
+    if 0 < read[0] < sum(counts):
+        return (f"the ranks read {counts[0]} samples each in epoch 0, but only {read[0]} different ones: "
+                f"their parts overlap (see above), so {N_ITEMS - read[0]} of the {N_ITEMS} went unread, more "
+                "than the uneven tail")
     return (f"together the ranks read {read[0]} different samples in epoch 0, {counts[0]} each, of "
             f"{N_ITEMS}: only the uneven tail (what does not divide by the world size) should be left out")
 
@@ -175,7 +185,7 @@ def _unequal(by_epoch: list[list[list[int]]], world: int) -> str | None:
 def check_sampler(epoch_orders, cluster) -> Report:
     report = Report("")
     runs, parts, new, seeded = ("runs on every rank", "the ranks' parts never overlap",
-                                "a new order every epoch", "the seed decides the orders")
+                                "a new shared shuffle every epoch", "the seed decides the orders")
     equal = "the ranks read equal parts, all but the uneven tail"
     got = run_or_failure(cluster, _orders_on_rank, epoch_orders, timeout=TIMEOUT)
     if isinstance(got, RankFailure):
@@ -197,12 +207,21 @@ def check_sampler(epoch_orders, cluster) -> Report:
     report.add(equal, unequal is None, unequal or "")
 
     same = [e for e in range(1, EPOCHS) if by_epoch[e] == by_epoch[e - 1]]
-    if not same:
-        report.add(new, True)
-    else:
+    # one permutation of the whole dataset, redrawn each epoch, cut into the ranks' parts: a
+    # rank's part changes between epochs. A fixed part per rank, shuffled within, never does.
+    fixed = all(len({frozenset(by_epoch[e][r]) for e in range(EPOCHS)}) == 1 for r in range(world))
+    if same:
         report.add(new, False, f"epoch {same[0]} read the same order as epoch {same[0] - 1} on every "
                                "rank: the sampler shuffles from its seed and its epoch. What tells it "
                                "that a new epoch began?")
+    elif fixed and any(by_epoch[0]) and not overlaps:
+        report.add(new, False, f"each rank read the same samples in all {EPOCHS} epochs, only in another order "
+                               f"(rank 0: {sorted(by_epoch[0][0])}): every rank kept a fixed part of its own and "
+                               "shuffled within it. The shuffle must be one permutation of the whole dataset, "
+                               "shared by all ranks and redrawn every epoch, each rank taking its part of it, "
+                               "so that a sample can land on any rank")
+    else:
+        report.add(new, True)
     if any(r["again"] != r["orders"] for r in got):
         report.add(seeded, False, "called again with the same seed, the function read other orders: "
                                   "the shuffle drew from a random state, not from the seed alone. Which "
@@ -216,7 +235,7 @@ def check_sampler(epoch_orders, cluster) -> Report:
 
 
 # ------------------------------------------------------------------------------- ddp_script
-GLOBAL_BATCH, LR = 16, 0.1   # samples per step, all ranks together; SGD's learning rate
+GLOBAL_BATCH, LR = 24, 0.1   # samples per step, all ranks together (2, 3 and 4 ranks share it evenly); SGD's learning rate
 # What ``cluster.run_script_source`` runs on every rank, as torchrun would run a file: no
 # process group yet; argv: the learner's pickled function, the folder for what is observed.
 _SCRIPT = ("import sys\n"
@@ -266,16 +285,12 @@ def _script_main(answer_file: str, folder: str) -> None:
 def _script_or_failure(cluster, source: str, *argv, timeout: float):
     """``cluster.run_script_source``'s exit codes, or a ``RankFailure`` (as ``run_or_failure``)."""
     from ...pool import RankError, RankTimeout
-    from ..ranks import warm_up
+    from ..ranks import failure_of, warm_up
 
     try:
         return cluster.run_script_source(source, *argv, timeout=timeout)
-    except RankTimeout as err:
-        stuck = [r for r in err.reports.values() if r.state == "running"] or list(err.reports.values())
-        failure = RankFailure("hang", "; ".join(f"rank {r.rank} {r.summary}".strip() for r in stuck[:2]))
-    except RankError as err:
-        first = err.failures[min(err.failures)] if err.failures else None
-        failure = RankFailure("raised", f"rank {first.rank} {first.summary}" if first else str(err).splitlines()[0])
+    except (RankTimeout, RankError) as err:
+        failure = failure_of(err)
     warm_up(cluster)
     return failure
 

@@ -771,10 +771,17 @@ def _accumulate_on_rank(accumulate):
     # the root's reduce-scatter output: its own parameters' (the head's) padded rows on one rank
     root_size = sum(_math.ceil(p.shape[0] / world) * (p.numel() // p.shape[0]) for p in model.head.parameters())
     with _Collectives() as seen:
-        accumulate(model, micro_batches)
+        # a collective's phase: the micro-batch whose forward ran last (its backward follows it)
+        seen.phase = -1
+        counting = model.register_forward_pre_hook(lambda _module, _args: setattr(seen, "phase", seen.phase + 1))
+        try:
+            accumulate(model, micro_batches)
+        finally:
+            counting.remove()
     sizes = [n for (_, c, _), n in zip(seen.seen, seen.sizes) if c == "reduce_scatter"]
     grads = [torch.zeros(p.shape) if p.grad is None else _full(p.grad) for p in model.parameters()]
     return {"reduce_scatter": len(sizes), "root": sum(n == root_size for n in sizes), "units": units,
+            "in_micro_batches": sorted({p for p, c, _ in seen.seen if c == "reduce_scatter"}),
             "grads": grads, "want": want, "equal": [p.grad for p in equal.parameters()],
             "empty": all(p.grad is None for p in model.parameters())}
 
@@ -787,12 +794,20 @@ def check_gradient_sync(report: Report, got: list, once, same) -> None:
     r = got[0]
     blocks, n = r["units"] - 1, len(SYNC_SIZES)
     root, of_blocks = r["root"], r["reduce_scatter"] - r["root"]
-    if (root, of_blocks) == (1, blocks):
-        report.add(once, True)
-    elif r["reduce_scatter"] == 0:
+    ran_in = r["in_micro_batches"]   # the micro-batches (from 0) whose backward reduce-scattered
+    early = bool(ran_in) and max(ran_in) < n - 1
+    if r["reduce_scatter"] == 0:
         report.add(once, False, "no reduce-scatter ran at all: every micro-batch's backward ran with the "
                    "gradient synchronisation off, so the gradients stayed unsharded on each rank, never "
                    "averaged over the ranks. Is synchronisation back on for the last backward?")
+    elif (root, of_blocks) == (1, blocks) and ran_in == [n - 1]:
+        report.add(once, True)
+    elif (root, of_blocks) == (1, blocks):
+        which = " and ".join(str(b + 1) for b in ran_in)
+        report.add(once, False, f"each unit reduce-scattered once, but in the backward pass of micro-batch {which} "
+                   f"of {n}, not of the last: what the later micro-batches added stayed unsharded on each rank, "
+                   "never synchronised. The gradient-sync switch governs the next backward pass, the one that "
+                   "runs after it is set: it must be set before the backward it applies to.")
     else:
         report.add(once, False, f"for {n} micro-batches the root's unit reduce-scattered {_times(root)} and "
                    f"the {blocks} blocks' units {_times(of_blocks)} in all: a unit that synchronised more than "
@@ -808,6 +823,11 @@ def check_gradient_sync(report: Report, got: list, once, same) -> None:
                    f"micro-batch counting alike, although they hold {', '.join(map(str, SYNC_SIZES))} samples: "
                    "a sample in a small micro-batch counted more than one in a large one. How much should "
                    "each micro-batch's mean loss count, if every sample is to count the same?")
+    elif early:
+        ratio = _ratio(r["grads"], r["want"])
+        report.add(same, False, f"about {ratio:.2g} times the right size: they hold only what the micro-batches up to "
+                   f"{max(ran_in) + 1} of {n} added when the reduce-scatter ran, not the whole step's gradient "
+                   "(see the item above)")
     else:
         ratio = _ratio(r["grads"], r["want"])
         scale = (f"about {ratio:.2g} times the right size: how much should each micro-batch's loss count, "

@@ -108,7 +108,8 @@ class Cluster:
     def __init__(self, world_size: int = 2, backend: str = "auto", *, timeout: float | None = 300.0,
                  num_threads: int | None = None, master_port: int | None = None,
                  env: dict[str, str] | None = None, start_timeout: float = 120.0,
-                 start_method: str | None = None, find_deadlocks: bool = True, seed: int | None = None):
+                 start_method: str | None = None, find_deadlocks: bool = True, seed: int | None = None,
+                 current: bool = True):
         global _current
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ClusterError(f"world_size must be a whole number >= 1, not {world_size!r}")
@@ -150,7 +151,8 @@ class Cluster:
         except BaseException:
             self.shutdown()
             raise
-        _current = weakref.ref(self)
+        if current:  # a checker's own cluster (current=False) never becomes the one %%ranks uses
+            _current = weakref.ref(self)
 
     # --- public surface ------------------------------------------------------------
     def status(self) -> health.ClusterStatus:

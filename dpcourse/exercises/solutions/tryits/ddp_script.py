@@ -3,7 +3,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 def train_and_save(model, x, y, path):
     # Runs as torchrun runs a script: torchrun's environment, no process group yet. Join one
-    # (Gloo), take one SGD step (lr=0.1, loss F.mse_loss) with this rank's half of the global
+    # (Gloo), take one SGD step (lr=0.1, loss F.mse_loss) with this rank's share of the global
     # batch x, y, have rank 0 alone save the weights to path so that they load into a plain
     # model, and leave the group.
     dist.init_process_group("gloo")

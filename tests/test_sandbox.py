@@ -1,0 +1,113 @@
+"""Where a learner's formulas run (``exercises.sandbox``) and what says a reference was used
+(``exercises.provenance``): each route to the course's code, tried for real in the process
+the formulas run in; no ranks, a fraction of a second each."""
+from __future__ import annotations
+
+import importlib
+import os
+import textwrap
+
+import pytest
+
+import dpcourse as dpc
+from dpcourse.exercises import provenance, sandbox
+from dpcourse.exercises.sandbox import UNREACHABLE
+
+LEDGER = os.path.join(os.path.dirname(dpc.__file__), "memory", "ledger.py")
+
+
+def held(units, world_size, setup):
+    share = sum(units) / world_size if setup == "fsdp" else sum(units)
+    return {"parameters": 4 * share, "gradients": 4 * share, "optimizer_state": 8 * share}
+
+
+def through_importlib(units, world_size, setup):
+    return getattr(importlib.import_module("dp" + "course.memory"), "led" + "ger")
+
+
+def through_the_module():
+    return dpc.memory.ledger
+
+
+def through_the_file(units, world_size, setup):
+    return open(LEDGER).read()[:10]
+
+
+SOURCE = open(LEDGER).read()
+
+
+def through_a_new_interpreter(units, world_size, setup):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-c", "import dpcourse"], check=True).returncode
+
+
+def through_exec(units, world_size, setup):
+    exec(SOURCE, {"__name__": "copied"})
+
+
+def test_a_formula_written_by_hand_runs_there_and_gives_its_numbers():
+    out = sandbox.evaluate({"held": held}, [("held", ([10, 20], 2, "fsdp")), ("held", ([10, 20], 2, "ddp"))])
+    assert out["problem"] == "" and out["results"] == [
+        ({"parameters": 60.0, "gradients": 60.0, "optimizer_state": 120.0}, ""),
+        ({"parameters": 120.0, "gradients": 120.0, "optimizer_state": 240.0}, "")]
+
+
+@pytest.mark.parametrize("fn", [through_importlib, through_the_module, through_the_file, through_a_new_interpreter],
+                         ids=["importlib", "a global", "reading the file", "a new interpreter"])
+def test_every_route_to_the_course_is_closed_where_formulas_run(fn):
+    out = sandbox.evaluate({"f": fn}, [("f", ([1], 2, "ddp"))])
+    (value, error), = out["results"]
+    assert value is None and error.startswith(UNREACHABLE), error
+
+
+def test_a_copy_of_the_calculator_run_by_exec_is_told_as_a_copy():
+    out = sandbox.evaluate({"f": through_exec}, [("f", ([1], 2, "ddp"))])
+    assert sandbox.copied_from(out["compiled"]) == "dpc.memory"
+    assert sandbox.copied_from(sandbox.learner_sources(held)) is None   # short idioms are no copy
+    assert sandbox.copied_from(sandbox.learner_sources(through_exec)) is None
+
+
+def test_a_formula_that_raises_or_hangs_is_said_and_the_kernel_goes_on():
+    def raises(units, world_size, setup):
+        return {}["missing"]
+
+    out = sandbox.evaluate({"r": raises}, [("r", ([1], 2, "ddp"))])
+    assert out["results"] == [(None, "KeyError: 'missing'")]
+    space = {}
+    exec(textwrap.dedent('''
+        def spins(units, world_size, setup):
+            while True:
+                pass
+    '''), space)
+    out = sandbox.evaluate({"s": space["spins"]}, [("s", ([1], 2, "ddp"))], timeout=2)
+    assert out["results"] == [] and "did not finish within 2 s" in out["problem"]
+
+
+def test_a_reference_read_by_any_route_is_recorded_and_its_own_check_says_so():
+    provenance.forget()
+    since = provenance.mark()
+    assert provenance.used("A", since) == []
+    with open(os.path.join(provenance.SOLUTIONS, "tryits", "no_sync.py")) as f:   # a route round solution()
+        f.read()
+    assert provenance.used("A", since) == ["no_sync"]
+    later = provenance.mark()
+    assert provenance.used("no_sync", later) == ["no_sync"] and provenance.used("A", later) == []
+    dpc.exercises.solution("A")
+    assert provenance.used("A", provenance.mark()) == ["A"]   # read before: A's later reports say it
+    provenance.forget()
+    with provenance.quiet():
+        dpc.exercises.solution("F")
+    assert provenance.used("F", since) == []
+
+
+def test_a_script_that_carries_the_reference_text_is_told_from_one_written_apart():
+    from dpcourse.exercises import starters
+
+    with provenance.quiet():
+        reference, starter = dpc.exercises.solution("A"), open(starters.path("train_lm")).read()
+    assert provenance.embeds(reference, "A", starter)
+    assert not provenance.embeds(starter, "A", starter)
+    assert provenance.key_of(os.path.join(provenance.SOLUTIONS, "train_lm_fsdp.py")) == "F"
+    assert provenance.key_of(os.path.join(provenance.SOLUTIONS, "__init__.py")) is None
