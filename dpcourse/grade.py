@@ -14,7 +14,8 @@ extra).
 
 Exit status:
   0  every notebook ran and every check in it passed
-  1  a judged item failed, or a notebook raised, hung, killed its kernel or ran no check at all
+  1  a judged item failed, or a notebook raised, hung, killed its kernel or ran no check at
+     all, or its code does what its checks cannot see (a flag, below)
   2  the command line was wrong: a path that is neither a notebook nor a folder, or no
      notebook at all
   3  nothing failed, but not all was judged: a check not attempted (an untouched starter), or
@@ -23,9 +24,11 @@ Exit status:
 The table has a row per item; its "reference" column says "used" on the rows of a check that
 saw a reference solution read before or while it judged (by dpc.exercises.solution,
 report.fix() or the learner's own code), blank otherwise: the verdict stands, for an
-instructor to weigh. --json writes JSON Lines instead: one compact JSON object per notebook, on
-a line of its own as soon as that notebook is graded:
-  {"notebook", "seconds", "error", "used_reference", "reports": [...]}
+instructor to weigh. A row "flag" says what the notebook's own code does that no check can
+see: it changes the course's code in its kernel, reaches the course's record of references
+read, or names the references' files. --json writes JSON Lines instead: one compact JSON
+object per notebook, on a line of its own as soon as that notebook is graded:
+  {"notebook", "seconds", "error", "flags", "used_reference", "reports": [...]}
 with "used_reference" true when any of its reports used one, and each report as the check
 gave it: {"title", "attempted", "passed", "used_reference", "references", "items": [...]}.
 """
@@ -94,7 +97,64 @@ def grade(path: Path, timeout: float = TIMEOUT) -> dict:
     if raised and error is None:
         error = f"a cell raised {raised[0]}"
     return {"notebook": str(path), "seconds": round(time.monotonic() - start, 1), "error": error,
-            "reports": reports}
+            "flags": flags(nb), "reports": reports}
+
+
+def flags(nb) -> list[str]:
+    """What the notebook's own code does that its checks cannot see, read from its cells: it
+    changes the course's code in its kernel (an assignment to, ``setattr`` on or ``del`` of an
+    attribute of ``dpcourse`` or of something imported from it), reaches the course's record
+    of references, or names the references' files or a notebook's stored reference. A check's
+    verdict in such a notebook is not to be trusted as it stands."""
+    import ast
+
+    trees = []
+    for cell in nb.cells:
+        try:
+            trees.append(ast.parse(_python(cell.source)) if cell.cell_type == "code" else None)
+        except SyntaxError:
+            continue
+    nodes = [n for tree in trees if tree is not None for n in ast.walk(tree)]
+    # the names the course goes by in this notebook's kernel, whichever cell bound them
+    course = {a.asname or a.name.split(".")[0] for n in nodes if isinstance(n, ast.Import)
+              for a in n.names if a.name.split(".")[0] == "dpcourse"}
+    course |= {a.asname or a.name for n in nodes if isinstance(n, ast.ImportFrom)
+               and (n.module or "").split(".")[0] == "dpcourse" for a in n.names}
+    found = [flag for tree in trees if tree is not None for n in ast.walk(tree) for flag in _flag(n, course)]
+    return list(dict.fromkeys(found))
+
+
+def _python(source: str) -> str:
+    """A cell's code, its IPython magics and shell lines left out."""
+    return "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in source.splitlines())
+
+
+def _flag(node, course: set) -> list[str]:
+    import ast
+
+    def root(expr):
+        while isinstance(expr, (ast.Attribute, ast.Subscript, ast.Call)):
+            expr = expr.value if not isinstance(expr, ast.Call) else expr.func
+        return expr.id if isinstance(expr, ast.Name) else None
+
+    targets = (node.targets if isinstance(node, (ast.Assign, ast.Delete)) else
+               [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+    changed = [ast.unparse(t) for t in targets if isinstance(t, ast.Attribute) and root(t) in course]
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr") \
+            and node.args and root(node.args[0]) in course:
+        changed.append(ast.unparse(node.args[0]))
+    out = [f"it changes the course's code in its kernel ({c})" for c in changed]
+    if isinstance(node, (ast.Attribute, ast.alias)) and "provenance" in (getattr(node, "attr", None) or
+                                                                         getattr(node, "name", "")):
+        out.append("it reaches the course's record of the references read")
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        if "solutions" in node.value and ("dpcourse" in node.value or "/" in node.value):
+            out.append("it names the references' files")
+        if node.value == "solution":
+            out.append("it reads a reference stored in a notebook")
+        if "git" in node.value and "show" in node.value:
+            out.append("it reads the course's history")
+    return out
 
 
 HEADER = ("notebook", "check", "item", "reference", "status")
@@ -112,6 +172,8 @@ def rows(result: dict) -> list[tuple[str, str, str, str, str]]:
             out.append((name, report["title"], "-", used, "not attempted"))
         for item in report["items"]:
             out.append((name, report["title"], item["name"], used, words[item["status"]]))
+    for flag in result.get("flags", []):
+        out.append((name, "-", "-", "flag", f"not to be trusted: {flag}"))
     if not result["reports"]:
         out.append((name, "-", "-", "", f"no check ran ({result['error'] or 'no check cell'})"))
     elif result["error"]:
@@ -142,7 +204,7 @@ def exit_status(results: list[dict]) -> int:
     judged; else PASSED."""
     incomplete = False
     for result in results:
-        if result["error"] or not result["reports"]:
+        if result["error"] or not result["reports"] or result.get("flags"):
             return FAILED
         for report in result["reports"]:
             if any(item["status"] == "fail" for item in report["items"]):

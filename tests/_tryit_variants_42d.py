@@ -30,6 +30,18 @@ VARIANTS = {
     },
     "join": {
         "mistakes": [
+            ("the finished rank's share made up by hand, for 2 ranks: right on 2, wrong on 3", [(_JOIN_LOOP,
+                "    n = torch.tensor(len(batches))\n"
+                "    dist.all_reduce(n, op=dist.ReduceOp.MIN)\n"
+                "    short = int(n)\n"
+                "    with Join([ddp_model]):\n"
+                "        for s, (x, y) in enumerate(batches):\n"
+                "            F.mse_loss(ddp_model(x), y).backward()\n"
+                "            if s >= short:\n"
+                "                for p in ddp_model.parameters():\n"
+                "                    p.grad *= 2\n"
+                "            optimizer.step()\n"
+                "            optimizer.zero_grad()\n")], "on 3 ranks (it passed on 2)"),
             ("no Join: the longer rank hangs", [("    with Join([ddp_model], divide_by_initial_world_size=False):\n", "    if True:\n")],
              "different numbers of all-reduces"),
             ("every rank stops at the shortest count", [(_JOIN_LOOP,

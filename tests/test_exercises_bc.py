@@ -629,16 +629,15 @@ B_EXEC = textwrap.dedent('''
 ''')
 
 B_READS_THE_FILE = textwrap.dedent('''
-    import os, sys
+    LEDGER = "LEDGER_PATH"   # found in the kernel
 
     def held(units, world_size, setup):
-        folder = [p for p in sys.path if os.path.isdir(os.path.join(p, "dpcourse", "memory"))][0]
-        exec(open(os.path.join(folder, "dpcourse", "memory", "ledger.py")).read(), {})
+        exec(open(LEDGER).read(), {})
         return {}
 
     sent_per_step = held
     predicted = {"held": held, "sent_per_step": sent_per_step}
-''')
+''').replace("LEDGER_PATH", str(Path(dpc.__file__).parent / "memory" / "ledger.py"))
 
 
 def _copied_ledger(folder) -> str:
@@ -720,3 +719,30 @@ def test_c_a_configuration_built_by_the_course_training_code_is_refused(cluster4
     bad = item(report, "FULL_SHARD: trains like one process")
     assert bad.status == "fail" and "refused: the wrap function calls the course's own code" in bad.detail, str(report)
     assert "dpc.train.parallel.apply_fsdp" in bad.detail
+
+
+def test_a_set_up_reaching_the_course_through_a_thread_or_the_standard_library_is_refused():
+    from dpcourse.exercises import setups
+
+    def through_a_thread():
+        import threading
+
+        from dpcourse.memory import ledger
+        out = []
+        t = threading.Thread(target=lambda: out.append(ledger(1000, 2, "ddp")))
+        t.start()
+        t.join()
+
+    def through_functools():
+        import functools
+
+        from dpcourse.train import parallel
+        functools.singledispatch(parallel.mixed_precision_dtypes)(dpc.train.TrainConfig())
+
+    for route in (through_a_thread, through_functools):
+        with setups.course_code_called() as called:
+            route()
+        assert called and called[0].startswith(("dpc.memory", "dpc.train.parallel")), (route.__name__, called)
+    with setups.course_code_called() as called:
+        dpc.models.build_model("mlp")     # the models room is the learner's to use
+    assert not called, called

@@ -144,10 +144,12 @@ def check(ok):                    # a check as the checkers are: it lists the re
 @pytest.mark.slow
 def test_the_exit_status_json_lines_and_the_reference_column_end_to_end(tmp_path):
     read = "import dpcourse as dpc\n_ = dpc.exercises.solution('no_sync')   # the reference, read before the check"
-    passes = notebook(tmp_path / "passes.ipynb", TOY_CHECK, "check(True)")
-    used = notebook(tmp_path / "used.ipynb", TOY_CHECK, read, "check(True)")
-    fails = notebook(tmp_path / "fails.ipynb", TOY_CHECK, read, "check(False)")
-    raises = notebook(tmp_path / "raises.ipynb", TOY_CHECK, "check(True)", "raise RuntimeError('after the check')")
+    (tmp_path / "toy.py").write_text(TOY_CHECK)   # beside the notebooks, as a submission's files are
+    toy = "from toy import check"
+    passes = notebook(tmp_path / "passes.ipynb", toy, "check(True)")
+    used = notebook(tmp_path / "used.ipynb", toy, read, "check(True)")
+    fails = notebook(tmp_path / "fails.ipynb", toy, read, "check(False)")
+    raises = notebook(tmp_path / "raises.ipynb", toy, "check(True)", "raise RuntimeError('after the check')")
 
     done = grade(passes, used, "--json")
     assert done.returncode == grader.PASSED, done.stdout + done.stderr[-2000:]
@@ -164,3 +166,30 @@ def test_the_exit_status_json_lines_and_the_reference_column_end_to_end(tmp_path
 
     done = grade(raises)
     assert done.returncode == grader.FAILED and "RuntimeError: after the check" in done.stdout, done.stdout
+
+
+def test_a_notebook_that_changes_the_course_or_reaches_its_references_is_flagged():
+    import nbformat
+
+    from dpcourse import grade
+
+    cells = ["import dpcourse as dpc\nfrom dpcourse.exercises import tryits, provenance",
+             "dpc.exercises.tryits.other_world_size = lambda n: n",
+             "setattr(tryits, 'check', print)\nprovenance.forget()",
+             "text = open('/x/dpcourse/exercises/solutions/tryits/no_sync.py').read()",
+             "%load_ext dpcourse\nimport json\nref = json.load(open('4.2a.ipynb'))['cells'][0]['metadata']['dpcourse']['solution']",
+             "x = dpc.Cluster(2)\nx.timeout = 3\nmodel.weight = None"]
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    said = grade.flags(nb)
+    assert said == ["it reaches the course's record of the references read",
+                    "it changes the course's code in its kernel (dpc.exercises.tryits.other_world_size)",
+                    "it changes the course's code in its kernel (tryits)",
+                    "it names the references' files", "it reads a reference stored in a notebook"], said
+    result = {"notebook": "a.ipynb", "seconds": 1.0, "error": None, "flags": said[:1],
+              "reports": [{"title": "t", "attempted": True, "passed": True, "used_reference": False,
+                           "references": [], "items": [{"name": "i", "status": "pass"}]}]}
+    assert grade.exit_status([result]) == grade.FAILED
+    assert any("flag" in line and "not to be trusted" in line for line in grade.render([result]))
+    clean = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(cells[0].splitlines()[0]),
+                                            nbformat.v4.new_code_cell("report = dpc.exercises.check_a('x.py')")])
+    assert grade.flags(clean) == []

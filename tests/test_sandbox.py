@@ -69,6 +69,16 @@ def test_a_copy_of_the_calculator_run_by_exec_is_told_as_a_copy():
     assert sandbox.copied_from(sandbox.learner_sources(through_exec)) is None
 
 
+def test_a_formula_may_use_torch_and_numpy_there():
+    def with_torch(units, world_size, setup):
+        import numpy
+        import torch
+        return float(torch.tensor(units).sum()) + float(numpy.float64(world_size))
+
+    out = sandbox.evaluate({"t": with_torch}, [("t", ([1, 2], 3, "ddp"))])
+    assert out["results"] == [(6.0, "")], out
+
+
 def test_a_formula_that_raises_or_hangs_is_said_and_the_kernel_goes_on():
     def raises(units, world_size, setup):
         return {}["missing"]
@@ -111,3 +121,73 @@ def test_a_script_that_carries_the_reference_text_is_told_from_one_written_apart
     assert not provenance.embeds(starter, "A", starter)
     assert provenance.key_of(os.path.join(provenance.SOLUTIONS, "train_lm_fsdp.py")) == "F"
     assert provenance.key_of(os.path.join(provenance.SOLUTIONS, "__init__.py")) is None
+
+
+ROOT = os.path.dirname(os.path.dirname(dpc.__file__))
+
+
+def by_path_entry(units, world_size, setup):
+    import sys
+    sys.path.append(ROOT)
+    import dpcourse  # noqa: F401
+    return dpcourse
+
+
+def by_a_doubled_slash(units, world_size, setup):
+    return open("/" + LEDGER).read()
+
+
+def by_proc_root(units, world_size, setup):
+    return open("/proc/self/root" + LEDGER).read()
+
+
+def by_a_link(units, world_size, setup):
+    import tempfile
+    link = os.path.join(tempfile.mkdtemp(), "course")
+    os.symlink(os.path.dirname(LEDGER), link)
+    return open(os.path.join(link, "ledger.py")).read()
+
+
+def by_a_folder_fd(units, world_size, setup):
+    folder = os.open(os.path.dirname(LEDGER), os.O_RDONLY)
+    return os.read(os.open("ledger.py", os.O_RDONLY, dir_fd=folder), 10)
+
+
+def by_git(units, world_size, setup):
+    import subprocess
+    return subprocess.run(["git", "-C", ROOT, "show", "HEAD:dpcourse/memory/ledger.py"], capture_output=True).stdout
+
+
+def by_ctypes(units, world_size, setup):
+    import ctypes
+    libc = ctypes.CDLL(None)
+    return libc.fopen(LEDGER.encode(), b"r")
+
+
+def by_ctypes_pythonapi(units, world_size, setup):
+    import ctypes
+    return ctypes.pythonapi.fopen(LEDGER.encode(), b"r")
+
+
+def by_changing_the_guard(units, world_size, setup):
+    import gc
+    hook = next(f for f in gc.get_objects() if getattr(getattr(f, "__code__", None), "co_filename", "") == "<sandbox>"
+                and any(isinstance(d, frozenset) for d in f.__defaults__ or ()))
+    hook.__defaults__ = tuple(frozenset() if isinstance(d, frozenset) else d for d in hook.__defaults__)
+    return open(LEDGER).read()
+
+
+def by_the_tests(units, world_size, setup):
+    return open(os.path.join(ROOT, "tests", "test_exercises_bc.py")).read()
+
+
+ATTACKS = [by_path_entry, by_a_doubled_slash, by_proc_root, by_a_link, by_a_folder_fd, by_git, by_ctypes,
+           by_ctypes_pythonapi,
+           by_changing_the_guard, by_the_tests]
+
+
+@pytest.mark.parametrize("fn", ATTACKS, ids=[f.__name__ for f in ATTACKS])
+def test_a_formula_that_attacks_the_guard_still_cannot_reach_the_course(fn):
+    out = sandbox.evaluate({"f": fn}, [("f", ([1], 2, "ddp"))])
+    (value, error), = out["results"]
+    assert value is None and error.startswith(UNREACHABLE), (fn.__name__, value, error)

@@ -1,5 +1,5 @@
 """The try-it cells of the chapters: as shipped each check says "not attempted yet"; filled
-with its reference (the cell's ``metadata["dpcourse"]["solution"]``, the package's file) it
+with its reference (the package's file, whose hash is the cell's ``metadata["dpcourse"]["solution_sha256"]``) it
 passes; filled with each typical mistake it fails, naming a behaviour and never a line of the
 reference; correct answers that look different pass; an answer that raises fails "runs on
 every rank" and leaves the other items unjudged. Counted too: how many of the 26 APIs
@@ -7,6 +7,7 @@ the learner writes in a try-it (in the reference, not in the cell as given)."""
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
 import linecache
 import re
@@ -78,7 +79,12 @@ def _given(cell) -> str:
 
 
 def _reference(cell) -> str:
-    return cell["metadata"]["dpcourse"]["solution"]
+    """The try-it's reference, read by the test (not recorded as a learner's read); the cell
+    keeps only its hash, so that a notebook never carries a reference's text."""
+    from dpcourse.exercises import provenance
+
+    with provenance.quiet():
+        return dpc.exercises.solution(cell["metadata"]["dpcourse"]["try_it"])
 
 
 def _variant(reference: str, replacements) -> str:
@@ -93,7 +99,9 @@ def test_there_are_try_its_and_each_cell_is_what_the_package_holds():
     assert len(set(IDS)) == len(IDS), "two try-its share a name"
     for path, cell, _, (chapter, name, _) in TRY_ITS:
         assert cell["metadata"]["dpcourse"]["try_it"] == name, (path.name, cell["id"])
-        assert _reference(cell) == dpc.exercises.solution(name), f"{name}: metadata and package differ"
+        digest = hashlib.sha256(_reference(cell).encode()).hexdigest()
+        assert cell["metadata"]["dpcourse"]["solution_sha256"] == digest, f"{name}: the cell's hash and the package differ"
+        assert "solution" not in cell["metadata"]["dpcourse"], f"{name}: the notebook carries the reference's text"
         assert path.name.startswith(chapter), f"{name}: checked as chapter {chapter} in {path.name}"
         assert tryits.load_all()[name].chapter == chapter
         assert _blanks(_given(cell)) and not _blanks(_reference(cell)), name
@@ -181,8 +189,14 @@ def epoch_orders(dataset, epochs, seed):
 '''
 
 
+def _read_on_the_ranks(path):
+    with open(path) as f:
+        return f.read()
+
+
 @pytest.mark.parametrize("route", ["none", "solution() in the kernel", "report.fix()", "solution() on the rank",
-                                   "the file read on the rank"])
+                                   "the file read on the rank", "the file read on the ranks before the check",
+                                   "the file by another path"])
 def test_a_try_it_that_used_the_reference_is_judged_and_flagged(route, cluster2):
     from dpcourse.exercises import provenance
 
@@ -195,6 +209,10 @@ def test_a_try_it_that_used_the_reference_is_judged_and_flagged(route, cluster2)
     elif route == "report.fix()":
         source = str(check(chapter, name, _define(path, _reference(cell).replace("seed=seed, ", ""), answer),
                            cluster2).fix())
+    elif route == "the file read on the ranks before the check":
+        source = cluster2.run(_read_on_the_ranks, f"{provenance.SOLUTIONS}/tryits/sampler.py")[0]
+    elif route == "the file by another path":
+        source = _read_on_the_ranks(f"/proc/self/root/{provenance.SOLUTIONS}//tryits/sampler.py")
     else:
         source = _ON_THE_RANK if route == "solution() on the rank" else _READ_ON_THE_RANK
     report = check(chapter, name, _define(path, source, answer), cluster2)

@@ -16,8 +16,10 @@ course's observers: ``setups.AtRest`` (what each rank holds after each step: the
 send). Judged: each set-up trains like one process and is what it says (DDP replicates and
 all-reduces; FULL_SHARD holds 1/N and gathers every unit again for backward); each formula
 on every case, within ``TOLERANCE``, said as too high / too low and roughly by how much,
-never as the measured value. A formula that uses the course's own calculators
-(``dpc.memory.ledger``, ``dpc.collectives.step_bytes``, ...) is refused, read from its code.
+never as the measured value, and on models no rank ran, drawn at each check, next to the
+reference's. The formulas run where the course cannot be reached (``sandbox``): one that uses
+the course's own calculators (``dpc.memory.ledger``, ``dpc.collectives.step_bytes``, ...), by
+name or by any other route, or copies their code, is refused.
 
 Then the large model (``LARGE``) on 2 ranks with a memory budget of ``BUDGET_MIB`` per rank:
 on Linux the budget is enforced for real -- the rank's data-segment limit
@@ -242,17 +244,17 @@ UNSEEN = 3   # models no rank ran, drawn at each check: a formula is judged on t
 
 
 def _unseen(draw=None) -> list[tuple[list, int]]:
-    """(units, world_size) of ``UNSEEN`` models like ``CASES``' but drawn now: a table of the
-    measured cases' answers has no entry for them."""
+    """(units, world_size) of ``UNSEEN`` models drawn now, from a space no table covers: 3 to 8
+    blocks of 1,000 to 10 million parameters each, a root of 1 to 5 % of them (the head, as in
+    the course's MLP, where leaving the root out of FULL_SHARD's sum is within tolerance), on
+    2 to 1,024 ranks."""
     import random
 
     draw = draw or random.Random()
     out = []
-    while len(out) < UNSEEN:
-        sizes = {"d_hidden": draw.choice((80, 112, 144, 176, 192)), "depth": draw.choice((3, 4, 5, 6))}
-        n = draw.choice((2, 3, 4, 5, 6, 8))
-        if (n, sizes) not in CASES:
-            out.append((models.unit_numels(models.build_model("mlp", **sizes)), n))
+    for _ in range(UNSEEN):
+        blocks = [draw.randint(1_000, 10_000_000) for _ in range(draw.randint(3, 8))]
+        out.append((blocks + [max(1, int(sum(blocks) * draw.uniform(0.01, 0.05)))], draw.randint(2, 1024)))
     return out
 
 

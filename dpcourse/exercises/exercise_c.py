@@ -22,7 +22,9 @@ noise never counts against the learner: a pair's order is judged only where the 
 (deterministic) and the measurement both separate the two by more than ``TIE``; what the
 machine measured next to the ledger is reported apart as "the machine's run". A set-up that
 is not what its name says leaves its figures "not judged", and out of the orderings. A
-``predict`` that uses the course's calculators (``dpc.memory.ledger``, ...) is refused.
+``predict`` that uses the course's calculators (``dpc.memory.ledger``, ...), by any route, or
+copies their code, is refused (it runs where they cannot be reached: ``sandbox``), and one
+that fails on models no rank ran, drawn at each check, fails there.
 """
 from __future__ import annotations
 
@@ -175,15 +177,15 @@ def _figures(predict, units: list) -> tuple[dict, str]:
 
 
 def _unseen(draw=None) -> list[list]:
-    """Units of 2 MLPs like the judged one but drawn now: a table of its answers has no entry
-    for them."""
+    """Units of 2 models drawn now, from a space no table covers: 3 to 8 blocks of 1,000 to 10
+    million parameters each, a root of 1 to 5 % of them."""
     import random
 
     draw = draw or random.Random()
     out = []
-    while len(out) < 2:
-        sizes = {"d_hidden": draw.choice((80, 96, 112, 144, 160)), "depth": draw.choice((3, 5, 6))}
-        out.append(models.unit_numels(models.build_model("mlp", **sizes)))
+    for _ in range(2):
+        blocks = [draw.randint(1_000, 10_000_000) for _ in range(draw.randint(3, 8))]
+        out.append(blocks + [max(1, int(sum(blocks) * draw.uniform(0.01, 0.05)))])
     return out
 
 

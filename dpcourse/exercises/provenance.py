@@ -46,27 +46,54 @@ def shown(key: str) -> None:
             pass
 
 
-def key_of(path) -> str | None:
-    """The reference a file of ``solutions/`` is (its compiled cache too), or None."""
-    if isinstance(path, bytes):
-        path = os.fsdecode(path)
-    if not isinstance(path, str) or "solutions" not in path:
-        return None
-    path = os.path.abspath(path)
-    if not path.startswith(SOLUTIONS + os.sep):
-        return None
-    stem = os.path.basename(path).split(".")[0]
-    if stem == "__init__":
-        return None
-    if os.sep + "tryits" + os.sep in path[len(SOLUTIONS):]:
-        return stem
+_files: dict[tuple[int, int], str] = {}
+
+
+def _key_by_name(path: str) -> str | None:
+    """The reference a file below ``solutions/`` is, from its name (``__pycache__`` too)."""
     from . import SOLUTION_FILES
 
+    path = os.path.realpath(path)
+    if not path.startswith(SOLUTIONS + os.sep):
+        return None
+    stem, parts = os.path.basename(path).split(".")[0], path[len(SOLUTIONS) + 1:].split(os.sep)
+    if stem == "__init__":
+        return None
+    if parts[0] == "tryits":
+        return stem
     return next((k for k, name in SOLUTION_FILES.items() if name.split(".")[0] == stem), None)
 
 
+def _references() -> dict[tuple[int, int], str]:
+    """{(device, inode): key} of every reference's file: a file is known by what it is,
+    whatever path, link or /proc route names it."""
+    if not _files:
+        for folder, _, names in os.walk(SOLUTIONS):
+            for name in names:
+                key = _key_by_name(os.path.join(folder, name))
+                if key:
+                    st = os.stat(os.path.join(folder, name))
+                    _files[st.st_dev, st.st_ino] = key
+    return _files
+
+
+def key_of(path) -> str | None:
+    """The reference a file is (its compiled cache too), or None; ``path`` may be a name or
+    an open file descriptor."""
+    try:
+        st = os.fstat(path) if isinstance(path, int) else os.stat(os.fsdecode(path))
+    except (OSError, TypeError, ValueError):
+        return None
+    key = _references().get((st.st_dev, st.st_ino))
+    if key is None and not isinstance(path, int):   # a cache written since: known by its name
+        key = _key_by_name(os.fsdecode(path))
+        if key:
+            _files[st.st_dev, st.st_ino] = key
+    return key
+
+
 def _hook(event: str, args) -> None:
-    if event == "open" and args and (key := key_of(args[0])):
+    if event == "open" and args and args[0] is not None and (key := key_of(args[0])):
         shown(key)
 
 
@@ -93,22 +120,22 @@ def mark() -> float:
     return time.monotonic()
 
 
-def add(keys) -> None:
-    """Keys another process of the check read (a rank, a torchrun worker), as read now."""
+def add(keys, earlier: bool = False) -> None:
+    """Keys another process of the check read (a rank, a torchrun worker), as read now, or
+    (``earlier``) before the check began: then they count only for their own exercise."""
     for key in keys:
-        _read[key] = time.monotonic()
+        _read[key] = max(_read.get(key, 0.0), 0.0 if earlier else time.monotonic())
 
 
-def from_cluster(cluster, keep: bool = True) -> None:
-    """Take what ``cluster``'s ranks read since their last ``take`` (``keep=False``: only
-    forget it, before a check); a cluster that cannot answer (its ranks just failed, and
-    fresh ones read nothing yet) reads nothing."""
+def from_cluster(cluster, earlier: bool = False) -> None:
+    """Take what ``cluster``'s ranks read since their last ``take`` (``earlier``: before the
+    check that asks); a cluster that cannot answer (its ranks just failed, and fresh ones read
+    nothing yet) reads nothing."""
     try:
         got = cluster.run(take, timeout=60)
     except Exception:  # noqa: BLE001 -- see above
         return
-    if keep:
-        add(key for keys in got for key in keys)
+    add((key for keys in got for key in keys), earlier)
 
 
 def from_log(folder: str) -> None:

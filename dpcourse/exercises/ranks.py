@@ -80,7 +80,7 @@ def clusters_for(cluster, world_sizes):
                 clusters[n] = Cluster(world_size=n, timeout=60, current=False)
                 started.append(clusters[n])
             warm_up(clusters[n])
-            provenance.from_cluster(clusters[n], keep=False)   # what the ranks read before: not this check's
+            provenance.from_cluster(clusters[n], earlier=True)   # what the ranks read before it
         yield clusters
     finally:
         for c in clusters.values():

@@ -6,17 +6,24 @@ a formula's names cannot tell whether it reaches them (``importlib``, ``getattr`
 a string, a copy in a module of the learner's find a way round any list of names). So the
 formulas run in a process of their own (``evaluate``), started for the check, in which
 
-* importing ``dpcourse`` raises, however it is spelled (a finder first on ``sys.meta_path``),
-  so a function that holds the course's code -- a module, a calculator, a Ledger -- cannot
-  even be unpickled there;
-* opening any file of the package raises (an audit hook), so ``exec(open(...).read())``,
-  ``runpy`` or a ``spec_from_file_location`` of the course's files fail, and so does starting
-  a process (a new interpreter would have no such guard);
-* every text compiled and every module of the learner's imported is handed back, and compared
-  with the course's calculators and references (``copied_from``): a copy is told as one.
+* the course is not on the path (``python -I -S``: no ``site``, so no ``.pth`` file of an
+  editable install), and importing ``dpcourse`` raises even where it is, so a function that
+  holds the course's code -- a module, a calculator, a Ledger -- cannot even be unpickled;
+* opening any file of the course (its package, tests and git history) raises, told by device
+  and inode, so no path, link, ``/proc`` route or folder descriptor reaches one, nor
+  ``exec(open(...).read())``, ``runpy`` or ``spec_from_file_location``; nor does starting a
+  process, or loading native code of its own (``ctypes``'s ``fopen`` would read past the hook);
+* every text compiled while the formulas run goes to the kernel at once, and is compared with
+  the course's calculators and references (``copied_from``): a copy is told as one.
+
+All of it is one audit hook, which Python cannot remove: it holds what it needs in its code's
+constants and default arguments, refuses any change to them, and nothing references it once
+installed. The sandbox answers in lines of JSON, never a pickle, so nothing it sends can run
+code in the kernel.
 
 The formulas go there by value (cloudpickle), as the pool sends a cell's functions to the
-ranks; the learner's own modules are imported there by name, from the kernel's folder.
+ranks, a formula in a module of the learner's too (with only what it uses of it); the
+learner's modules it imports are found on the kernel's paths, never the course's folder.
 """
 from __future__ import annotations
 
@@ -34,87 +41,130 @@ PACKAGE = os.path.join(PACKAGE_ROOT, "dpcourse")
 UNREACHABLE = "CourseUnreachable"
 TIMEOUT = 120.0
 
-# Runs as ``python -c``: guards first, then the formulas; nothing of dpcourse is imported.
-_BOOT = r'''
-import importlib.abc, io, os, pickle, sys, traceback
-PACKAGE = os.path.realpath(sys.argv[1])
-class CourseUnreachable(ImportError):
-    pass
-class _Refuse(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name == "dpcourse" or name.startswith("dpcourse."):
-            raise CourseUnreachable(f"the course's package cannot be imported where formulas run ({name})")
-        return None
-sys.meta_path.insert(0, _Refuse())
-compiled, inside = [], [False]
-SPAWNS = {"subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.startfile", "pty.spawn"}
-def _hook(event, args):
-    if event == "open" and args and isinstance(args[0], (str, bytes)):
-        path = os.fsdecode(args[0])
-        if os.path.realpath(path).startswith(PACKAGE + os.sep) or os.path.realpath(path) == PACKAGE:
-            raise CourseUnreachable(f"the course's files cannot be read where formulas run ({os.path.basename(path)})")
-    elif event in SPAWNS and inside[0]:
-        raise CourseUnreachable("no process can be started where formulas run (a new interpreter would reach the course)")
-    elif event == "compile" and inside[0] and args and isinstance(args[0], (str, bytes)):
-        compiled.append(args[0] if isinstance(args[0], str) else args[0].decode("utf-8", "replace"))
-sys.addaudithook(_hook)
+# Runs as ``python -I -S -c``: no site, so no ``.pth`` puts the course on ``sys.path``. The
+# guard is an audit hook that cannot be removed, holds no state a formula can reach (what it
+# needs is in its code's constants and default arguments, and the hook forbids changing those),
+# and is referenced by nothing once installed. It refuses importing ``dpcourse``, opening any
+# file of the course (told by device and inode: no spelling of a path, link or /proc route gets
+# round it), starting a process and loading native code; it sends every text compiled while the
+# formulas run straight to the kernel, as a line of JSON (nothing the sandbox sends is unpickled).
+_BOOT = r"""
+import json, os, sys
+def hook(event, args, _stat=os.stat, _fstat=os.fstat, _write=os.write, _dumps=json.dumps, _fsdecode=os.fsdecode,
+         _forbidden=FORBIDDEN, _fd=FD, _installed=INSTALLED, _judging=[False]):
+    if event == "sandbox.judging":
+        _judging[0] = True
+    elif event == "import" and args and isinstance(args[0], str) and args[0].split(".")[0] == "dpcourse":
+        raise ImportError("CourseUnreachable: the course's package cannot be imported where formulas run")
+    elif event == "open" and args and args[0] is not None:
+        try:
+            st = _fstat(args[0]) if isinstance(args[0], int) else _stat(_fsdecode(args[0]))
+        except (OSError, TypeError, ValueError):
+            return
+        if (st.st_dev, st.st_ino) in _forbidden:
+            raise PermissionError("CourseUnreachable: the course's files cannot be read where formulas run")
+    elif event == "object.__setattr__" and getattr(getattr(args[0], "__code__", None), "co_filename", "") == "<sandbox>":
+        raise PermissionError("CourseUnreachable: the guard of this process cannot be changed")
+    elif _judging[0] and (event in SPAWNS or event == "ctypes.dlsym" or event == "ctypes.dlopen" and not (
+            isinstance(args[0], str) and args[0].startswith(_installed))):
+        raise PermissionError("CourseUnreachable: no process or native code of its own can be started where "
+                              "formulas run")
+    elif _judging[0] and event == "compile" and args and isinstance(args[0], (str, bytes)):
+        text = args[0] if isinstance(args[0], str) else args[0].decode("utf-8", "replace")
+        _write(_fd, (_dumps({"kind": "compiled", "text": text}) + "\n").encode())
+sys.addaudithook(hook)
+del hook
+sys.path[:] = [p for p in sys.path if p] + PATHS
+"""
+SPAWNS = ("subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty",
+          "pty.spawn", "os.startfile", "_posixsubprocess.fork_exec")
+# then: the formulas, each answer a line of JSON
+_RUN = r"""
+import json, os, pickle, sys
 import cloudpickle
+for name in ("math", "fractions", "statistics", "ctypes", "numpy"):   # loaded before judging, as a kernel has them
+    try:
+        __import__(name)
+    except ImportError:
+        pass
 def plain(v):
     if isinstance(v, dict):
         return {str(k): plain(x) for k, x in v.items()}
     if v is None or v is Ellipsis or isinstance(v, (bool, int, float, str)):
-        return v
+        return "..." if v is Ellipsis else v
     item = getattr(v, "item", None)
     if callable(item) and getattr(v, "ndim", None) == 0:
         return plain(item())
     try:
         return float(v)
     except Exception:
-        return f"<{type(v).__name__}>"
+        return "<" + type(v).__name__ + ">"
 def said(err):
+    chain = err
+    while chain is not None:   # the course is not even on this process's path
+        if isinstance(chain, ModuleNotFoundError) and (chain.name or "").split(".")[0] == "dpcourse":
+            return "CourseUnreachable: the course's package cannot be imported where formulas run"
+        chain = chain.__cause__ or chain.__context__
     text = str(err).splitlines()[0] if str(err) else ""
-    return type(err).__name__ + (": " + text if text else "")
-out = {"results": [], "problem": "", "compiled": compiled, "modules": {}}
-before = set(sys.modules)
-def problem(err):
-    cause = err
-    while cause is not None and not isinstance(cause, CourseUnreachable):
+    if "CourseUnreachable" in text:
+        return text[text.index("CourseUnreachable"):]
+    cause = err.__cause__ or err.__context__
+    while cause is not None:
+        if "CourseUnreachable" in str(cause):
+            return str(cause)[str(cause).index("CourseUnreachable"):]
         cause = cause.__cause__ or cause.__context__
-    return "CourseUnreachable: " + str(cause) if cause is not None else said(err)
-inside[0] = True
-try:
-    job = pickle.loads(sys.stdin.buffer.read())
-    fns = {}
-    for part, blob in job["fns"].items():
-        try:
-            fns[part] = cloudpickle.loads(blob)
-        except BaseException as err:
-            fns[part] = problem(err)
-    for part, args in job["calls"]:
-        fn = fns[part]
-        if isinstance(fn, str):
-            out["results"].append((None, fn))
-            continue
-        try:
-            out["results"].append((plain(fn(*args)), ""))
-        except BaseException as err:
-            out["results"].append((None, problem(err)))
-except BaseException as err:
-    out["problem"] = problem(err)
-inside[0] = False
-stdlib = tuple(os.path.realpath(p) for p in {sys.prefix, sys.base_prefix, sys.exec_prefix})
-for name in set(sys.modules) - before:
-    path = getattr(sys.modules[name], "__file__", None) or ""
-    if path.endswith(".py") and not os.path.realpath(path).startswith(stdlib):
-        try:
-            with open(path, errors="replace") as f:
-                out["modules"][name] = f.read()
-        except OSError:
-            pass
-sys.stdout.flush()
-with os.fdopen(int(sys.argv[2]), "wb") as answer:
-    answer.write(pickle.dumps(out))
-'''
+    return type(err).__name__ + (": " + text if text else "")
+def send(record, _write=os.write, _fd=FD):
+    _write(_fd, (json.dumps(record) + "\n").encode())
+job = pickle.loads(sys.stdin.buffer.read())
+sys.audit("sandbox.judging")
+fns = {}
+for part, blob in job["fns"].items():
+    try:
+        fns[part] = cloudpickle.loads(blob)
+    except BaseException as err:
+        fns[part] = said(err)
+for i, (part, args) in enumerate(job["calls"]):
+    fn = fns[part]
+    try:
+        value, error = (None, fn) if isinstance(fn, str) else (plain(fn(*args)), "")
+    except BaseException as err:
+        value, error = None, said(err)
+    send({"kind": "result", "i": i, "value": value, "error": error})
+send({"kind": "done"})
+"""
+
+
+# the program is compiled under its own name, which the guard knows its own code by
+_START = "import sys; exec(compile(sys.argv.pop(1), '<sandbox>', 'exec'))"
+
+
+def _boot(fd: int, paths: list[str]) -> str:
+    """The sandbox's program: the guard with this machine's facts as constants, then the run."""
+    import json
+
+    forbidden = _course_files()
+    installed = tuple(sorted({os.path.realpath(p) + os.sep for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+                             | {p + os.sep for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}))
+    text = (_BOOT.replace("FORBIDDEN", repr(frozenset(forbidden))).replace("FD", str(fd))
+            .replace("INSTALLED", repr(installed))
+            .replace("PATHS", json.dumps(paths)).replace("SPAWNS", repr(SPAWNS)))
+    return text + _RUN.replace("FD", str(fd))
+
+
+def _course_files() -> set:
+    """(device, inode) of every file and folder of the course that a formula may not read: the
+    package (its calculators, training code, references), its tests and its history."""
+    found = set()
+    for top in (PACKAGE, os.path.join(PACKAGE_ROOT, "tests"), os.path.join(PACKAGE_ROOT, ".git")):
+        for folder, _, files in os.walk(top):
+            for name in [None, *files]:
+                try:
+                    st = os.stat(os.path.join(folder, name) if name else folder)
+                except OSError:
+                    continue
+                found.add((st.st_dev, st.st_ino))
+    return found
 
 
 def evaluate(fns: dict, calls: list, timeout: float = TIMEOUT) -> dict:
@@ -128,45 +178,88 @@ def evaluate(fns: dict, calls: list, timeout: float = TIMEOUT) -> dict:
     if isinstance(blobs, str):
         return {"results": [], "problem": blobs, "compiled": [], "modules": {}}
     job = pickle.dumps({"fns": blobs, "calls": [(part, tuple(args)) for part, args in calls]})
+    # (kernel to sandbox: pickled; sandbox to kernel: JSON only, as nothing from there is trusted)
     read, write = os.pipe()
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONSTARTUP",)}
-    # the learner's modules are found where the kernel finds them; the course's folder is not searched
-    env["PYTHONPATH"] = os.pathsep.join(p for p in [os.getcwd(), *sys.path] if p and os.path.isdir(p)
-                                        and os.path.realpath(p) != os.path.realpath(PACKAGE_ROOT))
+    import json
+    import site
+
+    # Python's own library comes with -I -S; what is installed, and the learner's folders, are
+    # added by name (never the course's own folder), and no .pth file is read
+    installed = [p for p in site.getsitepackages() + [site.getusersitepackages()] if os.path.isdir(p)]
+    learners = [p for p in [os.getcwd(), *sys.path] if p and os.path.isdir(p)
+                and os.path.realpath(p) != os.path.realpath(PACKAGE_ROOT) and p not in installed]
+    program = _boot(write, installed + learners)
     try:
-        proc = subprocess.Popen([sys.executable, "-c", _BOOT, PACKAGE, str(write)], stdin=subprocess.PIPE,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, pass_fds=(write,), env=env,
-                                cwd=os.getcwd())
+        proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _START, program], stdin=subprocess.PIPE,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, pass_fds=(write,), cwd=os.getcwd())
     finally:
         os.close(write)
-    chunks = []
     try:
         proc.stdin.write(job)
         proc.stdin.close()
-        import select
+    except BrokenPipeError:   # it ended at once: said below, from what it wrote
+        pass
+    out = {"results": [None] * len(calls), "problem": "", "compiled": [], "modules": {}}
+    done = _read(proc, read, timeout, out)
+    err = proc.stderr.read() if proc.stderr else b""
+    if proc.stderr:
+        proc.stderr.close()
+    if not done:
+        tail = err.decode(errors="replace").strip().splitlines()[-1:] or ["no answer"]
+        return {"results": [], "problem": f"the formulas did not finish within {timeout:g} s ({tail[0]})",
+                "compiled": out["compiled"], "modules": {}}
+    missing = [i for i, r in enumerate(out["results"]) if r is None]
+    if missing:
+        return {"results": [], "problem": "the formulas' process did not say all it computed", "compiled": out["compiled"],
+                "modules": {}}
+    return out
 
-        while select.select([read], [], [], timeout)[0]:
+
+def _read(proc, read: int, timeout: float, out: dict) -> bool:
+    """Read the sandbox's lines of JSON into ``out`` until it says it is done (True), or it ends
+    or runs past ``timeout`` first (False; it is killed)."""
+    import json
+    import select
+    import time
+
+    buffer, done, deadline = b"", False, time.monotonic() + timeout
+    try:
+        while not done and select.select([read], [], [], max(0.0, deadline - time.monotonic()))[0]:
             chunk = os.read(read, 1 << 16)
             if not chunk:
                 break
-            chunks.append(chunk)
-        else:
-            proc.kill()
+            buffer += chunk
+            *lines, buffer = buffer.split(b"\n")
+            for line in lines:
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                kind = record.get("kind") if isinstance(record, dict) else None
+                if kind == "compiled" and isinstance(record.get("text"), str):
+                    out["compiled"].append(record["text"])
+                elif kind == "result" and isinstance(record.get("i"), int) and 0 <= record["i"] < len(out["results"]):
+                    value = _ellipsis(record.get("value"))
+                    out["results"][record["i"]] = (value, str(record.get("error") or ""))
+                elif kind == "done":
+                    done = True
     finally:
         os.close(read)
+        if proc.poll() is None and not done:
+            proc.kill()
         try:
             proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        err = proc.stderr.read() if proc.stderr else b""
-        if proc.stderr:
-            proc.stderr.close()
-    if not chunks:
-        tail = (err or b"").decode(errors="replace").strip().splitlines()[-1:] or ["no answer"]
-        return {"results": [], "problem": f"the formulas did not finish within {timeout:g} s ({tail[0]})",
-                "compiled": [], "modules": {}}
-    return pickle.loads(b"".join(chunks))
+    return done
+
+
+def _ellipsis(value):
+    """A value as it came over JSON, with its blanks (``...``, sent as "...") back."""
+    if isinstance(value, dict):
+        return {k: _ellipsis(v) for k, v in value.items()}
+    return Ellipsis if value == "..." else value
 
 
 def _by_value(fns: dict) -> dict | str:

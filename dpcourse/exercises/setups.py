@@ -55,36 +55,46 @@ COURSE_ROOMS = ("train", "scratch", "memory", "collectives", os.path.join("exerc
 
 
 class course_code_called:
-    """Within: every Python function of ``COURSE_ROOMS`` this thread calls, as a notebook spells
-    it (``dpc.train.parallel.apply_fsdp``), in the list it yields -- what a set-up does, not
-    what its names say."""
+    """Within: every Python function of ``COURSE_ROOMS`` that the learner's code calls, in this
+    thread or a thread it starts, directly or through what is installed (``functools``,
+    ``threading``, torch), as a notebook spells it (``dpc.train.parallel.apply_fsdp``), in the
+    list it yields -- what a set-up does, not what its names say. A call whose nearest caller
+    outside the installed libraries is the course's own (an observer counting bytes when torch
+    calls it) is the course watching, not the set-up reaching for it."""
 
     def __enter__(self) -> list:
         import sys
+        import threading
 
-        package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
         rooms = tuple(os.path.join(package, room) + os.sep for room in COURSE_ROOMS)
-        # not the learner's: the course's code and what is installed (torch calling the course's
-        # observers is the course watching, not the set-up reaching for it)
-        others = (package + os.sep, *{os.path.realpath(p) + os.sep for p in (sys.prefix, sys.base_prefix)},
-                  *{p + os.sep for p in (sys.prefix, sys.base_prefix)})
-        self.called, self._before = [], sys.getprofile()
+        installed = tuple({os.path.realpath(p) + os.sep for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+                          | {p + os.sep for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)})
+        self.called, self._before, self._threads = [], sys.getprofile(), threading.getprofile()
+
+        def learners(frame) -> bool:
+            while frame is not None and (frame.f_code.co_filename.startswith(installed)
+                                         or frame.f_code.co_filename.startswith("<frozen")):
+                frame = frame.f_back
+            return frame is not None and not frame.f_code.co_filename.startswith(package)
 
         def profile(frame, event, arg):
             if (event == "call" and frame.f_code.co_filename.startswith(rooms) and len(self.called) < 8
-                    and frame.f_back is not None and not frame.f_back.f_code.co_filename.startswith(others)):
-                module = frame.f_globals.get("__name__", "")
-                name = f"{module.replace('dpcourse', 'dpc', 1)}.{frame.f_code.co_name}"
+                    and learners(frame.f_back)):
+                name = f"{frame.f_globals.get('__name__', '').replace('dpcourse', 'dpc', 1)}.{frame.f_code.co_name}"
                 if name not in self.called:
                     self.called.append(name)
 
         sys.setprofile(profile)
+        threading.setprofile(profile)
         return self.called
 
     def __exit__(self, *exc):
         import sys
+        import threading
 
         sys.setprofile(self._before)
+        threading.setprofile(self._threads)
         # in the order called, public functions first: what the learner's code named, not a dunder
         self.called.sort(key=lambda name: name.split(".")[-1].startswith("_"))
 

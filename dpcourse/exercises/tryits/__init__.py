@@ -11,7 +11,8 @@ Each try-it is registered here by name, with its chapter and its checker. A chec
 often, the function its ranks run and a judge of what they returned: ``on_ranks`` runs the one
 and, when a rank raised or hung, says so and judges nothing else; the judge adds one item per
 behaviour. A try-it's reference is the file ``solutions/tryits/<name>.py``, which is also the
-try-it cell's ``metadata["dpcourse"]["solution"]`` (a test keeps the two equal);
+try-it cell's ``metadata["dpcourse"]["solution_sha256"]`` (its hash: a notebook never carries a
+reference's text; a test keeps the two equal);
 ``dpc.exercises.solution("no_sync")`` shows it, on request only. A check's failed items name
 the behaviour and the idea it touches ("4 all-reduces ran for 4 micro-batches: ..."), never
 the expected value or the line that fixes it. A starter still holding a ``...`` is "not
@@ -111,7 +112,7 @@ def _again(tryit: TryIt, answer, first: Report, world_size: int) -> Report:
     report of that run, its failed items saying where it passed, when it fails there."""
     n = other_world_size(world_size)
     judge = judge_cluster(n)
-    provenance.from_cluster(judge, keep=False)
+    provenance.from_cluster(judge, earlier=True)
     again = tryit.check(answer, judge)
     provenance.from_cluster(judge)
     if again.passed:
@@ -165,7 +166,7 @@ def _check(chapter: str, name: str, answer, cluster, second: bool) -> Report:
         return report
     if cluster is None:
         raise ValueError("pass the notebook's cluster: check_answer(..., cluster) runs your code on its ranks")
-    provenance.from_cluster(cluster, keep=False)   # what its ranks read before: not this check's
+    provenance.from_cluster(cluster, earlier=True)   # what its ranks read before it
     report = tryit.check(answer, cluster)
     provenance.from_cluster(cluster)
     if second and report.passed:
