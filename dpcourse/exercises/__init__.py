@@ -24,9 +24,7 @@ from .selfcheck import check_answer
 
 provenance.install()  # a reference's file read in this kernel, by any route, is recorded
 
-# files in solutions/: A's and F's are complete scripts, conversions of starters/train_lm.py
-SOLUTION_FILES = {"A": "train_lm_ddp.py", "B": "setups_b.py", "C": "configs_c.py", "D": "ring_d.py",
-                  "E": "bucketed_e.py", "F": "train_lm_fsdp.py"}
+SOLUTION_FILES = provenance.SOLUTION_FILES   # files in solutions/ (A's and F's: complete scripts)
 
 
 def solution(exercise: str) -> str:

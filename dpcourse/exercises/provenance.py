@@ -26,6 +26,9 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOLUTIONS = os.path.join(HERE, "solutions")
 LOG = "references.rank{rank}"   # in a torchrun worker's observe folder: one key per line
+# files in solutions/: A's and F's are complete scripts, conversions of starters/train_lm.py
+SOLUTION_FILES = {"A": "train_lm_ddp.py", "B": "setups_b.py", "C": "configs_c.py", "D": "ring_d.py",
+                  "E": "bucketed_e.py", "F": "train_lm_fsdp.py"}
 
 _read: dict[str, float] = {}      # key -> the last time a reference was read in this process
 _taken: set[str] = set()          # keys read since the last ``take`` (on a rank)
@@ -51,8 +54,6 @@ _files: dict[tuple[int, int], str] = {}
 
 def _key_by_name(path: str) -> str | None:
     """The reference a file below ``solutions/`` is, from its name (``__pycache__`` too)."""
-    from . import SOLUTION_FILES
-
     path = os.path.realpath(path)
     if not path.startswith(SOLUTIONS + os.sep):
         return None
@@ -93,8 +94,15 @@ def key_of(path) -> str | None:
 
 
 def _hook(event: str, args) -> None:
-    if event == "open" and args and args[0] is not None and (key := key_of(args[0])):
-        shown(key)
+    # never raises: an audit hook that raises would refuse the open itself (a rank that
+    # imports this package again, for a script's fresh start, still runs this module's hook)
+    if event == "open" and args and args[0] is not None:
+        try:
+            key = key_of(args[0])
+        except Exception:  # noqa: BLE001 -- see above
+            return
+        if key:
+            shown(key)
 
 
 def install() -> None:
