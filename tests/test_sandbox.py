@@ -181,7 +181,23 @@ def by_the_tests(units, world_size, setup):
     return open(os.path.join(ROOT, "tests", "test_exercises_bc.py")).read()
 
 
-ATTACKS = [by_path_entry, by_a_doubled_slash, by_proc_root, by_a_link, by_a_folder_fd, by_git, by_ctypes,
+def by_switching_the_guard_off(units, world_size, setup):
+    import gc
+    hook = next(f for f in gc.get_objects() if getattr(getattr(f, "__code__", None), "co_filename", "") == "<sandbox>"
+                and any(isinstance(d, list) for d in f.__defaults__ or ()))
+    next(d for d in hook.__defaults__ if isinstance(d, list))[0] = False
+    import subprocess, sys
+    return subprocess.run([sys.executable, "-c", "import dpcourse"], check=True).returncode
+
+
+def by_a_path_object(units, world_size, setup):
+    class Sneaky:
+        def __fspath__(self):
+            return LEDGER
+    return open(Sneaky()).read()
+
+
+ATTACKS = [by_switching_the_guard_off, by_a_path_object, by_path_entry, by_a_doubled_slash, by_proc_root, by_a_link, by_a_folder_fd, by_git, by_ctypes,
            by_ctypes_pythonapi,
            by_changing_the_guard, by_the_tests]
 

@@ -43,35 +43,44 @@ TIMEOUT = 120.0
 
 # Runs as ``python -I -S -c``: no site, so no ``.pth`` puts the course on ``sys.path``. The
 # guard is an audit hook that cannot be removed, holds no state a formula can reach (what it
-# needs is in its code's constants and default arguments, and the hook forbids changing those),
-# and is referenced by nothing once installed. It refuses importing ``dpcourse``, opening any
-# file of the course (told by device and inode: no spelling of a path, link or /proc route gets
-# round it), starting a process and loading native code; it sends every text compiled while the
-# formulas run straight to the kernel, as a line of JSON (nothing the sandbox sends is unpickled).
+# needs is in its code's constants and default arguments, the hook forbids changing those and
+# walking the interpreter's objects, and runs only built-in code, so no function a formula
+# replaced runs inside it), and is referenced by nothing once installed. It refuses importing
+# ``dpcourse``, opening any file of the course (told by device and inode: no spelling of a path,
+# link or /proc route gets round it), starting a process and loading native code; it sends
+# every text compiled while the formulas run straight to the kernel, as a framed record
+# (nothing the sandbox sends is unpickled).
 _BOOT = r"""
-import json, os, sys
-def hook(event, args, _stat=os.stat, _fstat=os.fstat, _write=os.write, _dumps=json.dumps, _fsdecode=os.fsdecode,
-         _forbidden=FORBIDDEN, _fd=FD, _installed=INSTALLED, _judging=[False]):
+import os, sys
+def hook(event, args, _stat=os.stat, _fstat=os.fstat, _write=os.write, _len=len, _str=str, _bytes=bytes,
+         _int=int, _function=type(lambda: 0), _forbidden=FORBIDDEN, _fd=FD, _installed=INSTALLED, _judging=[False]):
+    # only built-in functions and methods run here: no code a formula could have replaced
     if event == "sandbox.judging":
         _judging[0] = True
-    elif event == "import" and args and isinstance(args[0], str) and args[0].split(".")[0] == "dpcourse":
+    elif event == "import" and args and type(args[0]) is _str and args[0].split(".")[0] == "dpcourse":
         raise ImportError("CourseUnreachable: the course's package cannot be imported where formulas run")
     elif event == "open" and args and args[0] is not None:
+        path = args[0]
+        if type(path) not in (_str, _bytes, _int):   # a path object would run its own code in here
+            if _judging[0]:
+                raise PermissionError("CourseUnreachable: only str, bytes or int paths are opened where formulas run")
+            return
         try:
-            st = _fstat(args[0]) if isinstance(args[0], int) else _stat(_fsdecode(args[0]))
-        except (OSError, TypeError, ValueError):
+            st = _fstat(path) if type(path) is _int else _stat(path)
+        except (OSError, ValueError):
             return
         if (st.st_dev, st.st_ino) in _forbidden:
             raise PermissionError("CourseUnreachable: the course's files cannot be read where formulas run")
-    elif event == "object.__setattr__" and getattr(getattr(args[0], "__code__", None), "co_filename", "") == "<sandbox>":
+    elif event == "object.__setattr__" and type(args[0]) is _function and args[0].__code__.co_filename == "<sandbox>":
         raise PermissionError("CourseUnreachable: the guard of this process cannot be changed")
-    elif _judging[0] and (event in SPAWNS or event == "ctypes.dlsym" or event == "ctypes.dlopen" and not (
-            isinstance(args[0], str) and args[0].startswith(_installed))):
-        raise PermissionError("CourseUnreachable: no process or native code of its own can be started where "
-                              "formulas run")
-    elif _judging[0] and event == "compile" and args and isinstance(args[0], (str, bytes)):
-        text = args[0] if isinstance(args[0], str) else args[0].decode("utf-8", "replace")
-        _write(_fd, (_dumps({"kind": "compiled", "text": text}) + "\n").encode())
+    elif _judging[0] and (event in SPAWNS or event in ("ctypes.dlsym", "gc.get_objects", "gc.get_referrers",
+                                                         "gc.get_referents") or event == "ctypes.dlopen" and not (
+            type(args[0]) is _str and args[0].startswith(_installed))):
+        raise PermissionError("CourseUnreachable: no process, native code of its own or walk of the interpreter's "
+                              "objects where formulas run")
+    elif _judging[0] and event == "compile" and args and type(args[0]) in (_str, _bytes):
+        data = args[0].encode("utf-8", "replace") if type(args[0]) is _str else args[0]
+        _write(_fd, b"C" + _len(data).to_bytes(8, "big") + data)
 sys.addaudithook(hook)
 del hook
 sys.path[:] = [p for p in sys.path if p] + PATHS
@@ -115,7 +124,8 @@ def said(err):
         cause = cause.__cause__ or cause.__context__
     return type(err).__name__ + (": " + text if text else "")
 def send(record, _write=os.write, _fd=FD):
-    _write(_fd, (json.dumps(record) + "\n").encode())
+    data = json.dumps(record).encode()
+    _write(_fd, b"J" + len(data).to_bytes(8, "big") + data)
 job = pickle.loads(sys.stdin.buffer.read())
 sys.audit("sandbox.judging")
 fns = {}
@@ -178,9 +188,8 @@ def evaluate(fns: dict, calls: list, timeout: float = TIMEOUT) -> dict:
     if isinstance(blobs, str):
         return {"results": [], "problem": blobs, "compiled": [], "modules": {}}
     job = pickle.dumps({"fns": blobs, "calls": [(part, tuple(args)) for part, args in calls]})
-    # (kernel to sandbox: pickled; sandbox to kernel: JSON only, as nothing from there is trusted)
+    # (kernel to sandbox: pickled; sandbox to kernel: text and JSON only, as nothing from there is trusted)
     read, write = os.pipe()
-    import json
     import site
 
     # Python's own library comes with -I -S; what is installed, and the learner's folders, are
@@ -216,9 +225,9 @@ def evaluate(fns: dict, calls: list, timeout: float = TIMEOUT) -> dict:
 
 
 def _read(proc, read: int, timeout: float, out: dict) -> bool:
-    """Read the sandbox's lines of JSON into ``out`` until it says it is done (True), or it ends
-    or runs past ``timeout`` first (False; it is killed)."""
-    import json
+    """Read the sandbox's records into ``out`` until it says it is done (True), or it ends or
+    runs past ``timeout`` first (False; it is killed). A record is a kind (C: a text compiled,
+    J: JSON of a result or of the end), 8 bytes of length, then that many bytes."""
     import select
     import time
 
@@ -229,20 +238,10 @@ def _read(proc, read: int, timeout: float, out: dict) -> bool:
             if not chunk:
                 break
             buffer += chunk
-            *lines, buffer = buffer.split(b"\n")
-            for line in lines:
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    continue
-                kind = record.get("kind") if isinstance(record, dict) else None
-                if kind == "compiled" and isinstance(record.get("text"), str):
-                    out["compiled"].append(record["text"])
-                elif kind == "result" and isinstance(record.get("i"), int) and 0 <= record["i"] < len(out["results"]):
-                    value = _ellipsis(record.get("value"))
-                    out["results"][record["i"]] = (value, str(record.get("error") or ""))
-                elif kind == "done":
-                    done = True
+            while len(buffer) >= 9 and len(buffer) >= 9 + int.from_bytes(buffer[1:9], "big"):
+                size = int.from_bytes(buffer[1:9], "big")
+                kind, data, buffer = buffer[:1], buffer[9:9 + size], buffer[9 + size:]
+                done = _record(kind, data, out) or done
     finally:
         os.close(read)
         if proc.poll() is None and not done:
@@ -253,6 +252,23 @@ def _read(proc, read: int, timeout: float, out: dict) -> bool:
             proc.kill()
             proc.wait()
     return done
+
+
+def _record(kind: bytes, data: bytes, out: dict) -> bool:
+    """Take one record into ``out``; True when it says the sandbox is done."""
+    import json
+
+    if kind == b"C":
+        out["compiled"].append(data.decode("utf-8", "replace"))
+        return False
+    try:
+        record = json.loads(data)
+    except ValueError:
+        return False
+    what = record.get("kind") if isinstance(record, dict) else None
+    if what == "result" and isinstance(record.get("i"), int) and 0 <= record["i"] < len(out["results"]):
+        out["results"][record["i"]] = (_ellipsis(record.get("value")), str(record.get("error") or ""))
+    return what == "done"
 
 
 def _ellipsis(value):
