@@ -180,13 +180,13 @@ def _course_files() -> set:
 def evaluate(fns: dict, calls: list, timeout: float = TIMEOUT) -> dict:
     """Call ``fns[part](*args)`` for each ``(part, args)`` of ``calls`` in a process where the
     course cannot be reached: {"results": [(value, error)], "problem": why nothing ran, or "",
-    "compiled": [texts compiled while they ran], "modules": {learner module: its text}}. An
+    "compiled": [texts compiled while they ran]}. An
     error or problem that starts with ``UNREACHABLE`` is the formula reaching for the course."""
     import pickle
 
     blobs = _by_value(fns)
     if isinstance(blobs, str):
-        return {"results": [], "problem": blobs, "compiled": [], "modules": {}}
+        return {"results": [], "problem": blobs, "compiled": []}
     job = pickle.dumps({"fns": blobs, "calls": [(part, tuple(args)) for part, args in calls]})
     # (kernel to sandbox: pickled; sandbox to kernel: text and JSON only, as nothing from there is trusted)
     read, write = os.pipe()
@@ -208,7 +208,7 @@ def evaluate(fns: dict, calls: list, timeout: float = TIMEOUT) -> dict:
         proc.stdin.close()
     except BrokenPipeError:   # it ended at once: said below, from what it wrote
         pass
-    out = {"results": [None] * len(calls), "problem": "", "compiled": [], "modules": {}}
+    out = {"results": [None] * len(calls), "problem": "", "compiled": []}
     done = _read(proc, read, timeout, out)
     err = proc.stderr.read() if proc.stderr else b""
     if proc.stderr:
@@ -216,11 +216,11 @@ def evaluate(fns: dict, calls: list, timeout: float = TIMEOUT) -> dict:
     if not done:
         tail = err.decode(errors="replace").strip().splitlines()[-1:] or ["no answer"]
         return {"results": [], "problem": f"the formulas did not finish within {timeout:g} s ({tail[0]})",
-                "compiled": out["compiled"], "modules": {}}
+                "compiled": out["compiled"]}
     missing = [i for i, r in enumerate(out["results"]) if r is None]
     if missing:
         return {"results": [], "problem": "the formulas' process did not say all it computed", "compiled": out["compiled"],
-                "modules": {}}
+}
     return out
 
 
@@ -394,12 +394,13 @@ def learner_sources(fn) -> list[str]:
             if isinstance(const, types.CodeType):
                 names |= set(const.co_names)
         todo += [space[n] for n in names if n in space]
-        todo += [c.cell_contents for c in (obj.__closure__ or ()) if _filled(c)]
+        todo += [c.cell_contents for c in (obj.__closure__ or ()) if filled(c)]
         todo += list(obj.__defaults__ or ())
     return texts
 
 
-def _filled(cell) -> bool:
+def filled(cell) -> bool:
+    """Is a closure cell assigned yet (reading an empty one raises)?"""
     try:
         cell.cell_contents
     except ValueError:

@@ -2,7 +2,7 @@
 training loop (``dpc.train.train`` with ``wrap=``) under the course's observers, the same
 training in one process, and a prediction judged without printing the value it is judged
 against; the learner's formulas called safely, and refused when they use the course's own
-calculators (``calculator_in``).
+calculators (``calculator_in``); ``Answers`` runs them where the course cannot be reached.
 
 The learner writes ``wrap(model) -> model`` functions (DDP, FSDP1 or FSDP2 lines); the runner
 calls them on every rank on a fresh MLP that already sits on the rank's device. Nothing of
@@ -15,6 +15,7 @@ import os
 from ..observe.observer import Observer
 from ..train import TrainConfig, train
 from ..train.runner import train_single_process
+from .sandbox import filled
 
 STEPS, BATCH, LR = 3, 8, 1e-3   # Adam steps, samples per rank per step, learning rate
 WEIGHTS_ATOL = 1e-5            # fp32 data parallelism reproduces one process to float rounding
@@ -314,7 +315,7 @@ def calculator_in(fn, _seen: set | None = None) -> str | None:
     names = _code_names(code)
     space = getattr(fn, "__globals__", {})
     held = [space[n] if n in space else getattr(builtins, n, None) for n in sorted(names)]
-    held += [cell.cell_contents for cell in (fn.__closure__ or ()) if _filled(cell)]
+    held += [cell.cell_contents for cell in (fn.__closure__ or ()) if filled(cell)]
     held += list(fn.__defaults__ or ()) + list((fn.__kwdefaults__ or {}).values())
     for obj in held:
         if obj is None:
@@ -327,14 +328,6 @@ def calculator_in(fn, _seen: set | None = None) -> str | None:
             if found:
                 return found
     return None
-
-
-def _filled(cell) -> bool:
-    try:
-        cell.cell_contents
-    except ValueError:  # a closure variable not assigned yet
-        return False
-    return True
 
 
 class Answers:
@@ -350,7 +343,7 @@ class Answers:
         out = sandbox.evaluate(fns, calls)
         self.problem = out["problem"]
         self.values = {(part, repr(args)): r for (part, args), r in zip(calls, out["results"])}
-        texts = out["compiled"] + list(out["modules"].values())
+        texts = list(out["compiled"])
         texts += [t for fn in fns.values() for t in sandbox.learner_sources(fn)]
         self.copied = sandbox.copied_from(texts)
         self.used_reference = bool(self.copied and self.copied.startswith("the reference"))
@@ -377,15 +370,6 @@ class Answers:
             return (f"refused: {name}()'s code is a copy of {self.copied}, the course's own calculator -- "
                     f"write the formula yourself, {self.what}")
         return ""
-
-
-def call_formula(fn, *args) -> tuple[object, str]:
-    """``fn(*args)``: (its value, "") or (None, what it raised, in one line)."""
-    try:
-        return fn(*args), ""
-    except Exception as err:  # noqa: BLE001 -- the learner's code: any error is a verdict
-        text = str(err).splitlines()[0] if str(err) else ""
-        return None, f"{type(err).__name__}" + (f": {text}" if text else "")
 
 
 def as_bytes(value):
