@@ -645,9 +645,12 @@ def _copied_ledger(folder) -> str:
     package = folder / "my_ledger"
     package.mkdir()
     root = Path(dpc.__file__).parent
+    # the ledger and what it imports; the rule (choice.py) also needs the collectives, left out
     for f in [*(root / "memory").glob("*.py"), root / "vocab.py", root / "models.py"]:
-        (package / f.name).write_text(f.read_text().replace("from .. import", "from . import")
-                                      .replace("from ..models", "from .models"))
+        if f.name != "choice.py":
+            (package / f.name).write_text(f.read_text().replace("from .. import", "from . import")
+                                          .replace("from ..models", "from .models")
+                                          .replace("from .choice import recommend\n", ""))
     return textwrap.dedent('''
         import my_ledger
 

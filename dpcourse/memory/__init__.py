@@ -7,9 +7,9 @@
 What a rank really holds is measured by ``dpc.observe.Memory``; the notebooks and tests put
 the two side by side. Modules, whose other names are imported from them: ledger (``Ledger``,
 ``AT_REST``, ...), layout (units and shards), transients (what a step adds), activations (a
-formula for the demo models), fit (what fits, the rule: ``fit_table``), sizes (``format_bytes``).
+formula for the demo models), fit (what fits: ``fit_table``), choice (the rule: ``plans``, ``recommend``), sizes (``format_bytes``).
 """
-from .fit import recommend
+from .choice import recommend
 # the function, which hides its module here (``from dpcourse.memory.ledger import Ledger`` still finds it)
 from .ledger import ledger
 
