@@ -15,10 +15,16 @@ __all__ = ["Cluster", "RankError", "RankTimeout"]
 
 
 def load_ipython_extension(ipython) -> None:
-    """``%load_ext dpcourse``: registers the %%ranks cell magic."""
+    """``%load_ext dpcourse`` (or ``%reload_ext dpcourse``, which a notebook's first cell uses so
+    that running it again prints nothing): registers the %%ranks cell magic."""
     from .pool.kernel.magic import RanksMagics
 
     ipython.register_magics(RanksMagics)
+
+
+def unload_ipython_extension(ipython) -> None:
+    """``%reload_ext dpcourse`` unloads before loading again: %%ranks stays registered (the
+    load that follows registers it anew), and the clusters keep running."""
 
 
 # Subpackages load on first use (dpc.train, dpc.viz, ...): `import dpcourse` stays cheap, and

@@ -18,6 +18,42 @@ const panel = Array.from(window.jupyterapp.shell.widgets('main'))
 const codeCells = panel ? panel.content.widgets.filter(c => c.model.type === 'code') : [];
 """
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
+DARK, LIGHT = "JupyterLab Dark", "JupyterLab Light"
+# JavaScript: text in the widgets of the output areas whose colour is too close to what is
+# behind it. WCAG's contrast ratio, (L1 + 0.05) / (L2 + 0.05) of relative luminances; the
+# background is its own or the first ancestor's that is not transparent; an SVG text's colour is its fill.
+# Each widget output is scrolled to first: cells off screen are not laid out.
+_CONTRAST = """
+const parse = s => { const m = /rgba?\\(([^)]*)\\)/.exec(s || ''); if (!m) return null;
+  const p = m[1].split(/[\\s,\\/]+/).filter(Boolean).map(Number);
+  return [p[0], p[1], p[2], p.length > 3 ? p[3] : 1]; };
+const lum = c => { const f = v => { v /= 255; return v <= 0.03928 ? v / 12.92 : Math.pow((v + 0.055) / 1.055, 2.4); };
+  return 0.2126 * f(c[0]) + 0.7152 * f(c[1]) + 0.0722 * f(c[2]); };
+const behind = el => { for (let e = el; e; e = e.parentElement) {
+    const c = parse(getComputedStyle(e).backgroundColor); if (c && c[3] > 0.5) return c; }
+  return [255, 255, 255, 1]; };
+const frame = () => new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)));
+const found = new Set();
+for (const area of document.querySelectorAll('.jp-OutputArea-output')) {
+  const roots = area.querySelectorAll('.jupyter-widgets');
+  if (!roots.length) continue;
+  area.scrollIntoView(); await frame();
+  for (const root of roots) for (const el of root.querySelectorAll('*')) {
+    const own = Array.from(el.childNodes).filter(n => n.nodeType === 3).map(n => n.textContent).join('').trim();
+    if (!own) continue;
+    const style = getComputedStyle(el), box = el.getBoundingClientRect();
+    if (!box.width || !box.height || style.visibility === 'hidden' || Number(style.opacity) === 0) continue;
+    const fg = parse(el instanceof SVGElement ? style.fill : style.color);
+    if (!fg || fg[3] === 0) continue;
+    const bg = behind(el);
+    const mixed = fg.slice(0, 3).map((v, i) => fg[3] * v + (1 - fg[3]) * bg[i]);
+    const [a, b] = [lum(mixed), lum(bg)];
+    const ratio = (Math.max(a, b) + 0.05) / (Math.min(a, b) + 0.05);
+    if (ratio < arg) found.add(`"${own.slice(0, 40)}": rgb(${mixed.map(Math.round)}) on rgb(${bg.slice(0, 3)}), ${ratio.toFixed(2)}:1`);
+  }
+}
+return Array.from(found);
+"""
 
 
 class NotebookPage:
@@ -178,14 +214,18 @@ class NotebookPage:
         exact = re.compile(rf"^\s*{re.escape(description)}\s*$")
         self.cell(marker).locator("button").filter(has_text=exact).click()
 
-    def image_widths(self, marker: str) -> tuple[int, int]:
-        """(natural, shown) width in pixels of the last image under the cell with ``marker``."""
+    def image_widths(self, marker: str) -> tuple[int, int, int]:
+        """(natural, shown, room) width in pixels of the last image under the cell with
+        ``marker``; room: the output area's width, from the image's left edge."""
         self.cell(marker)
         key = "".join(ch for ch in marker if ch.isalnum())
         return tuple(self.page.evaluate("""(key) => {
             const imgs = document.querySelectorAll(`[data-test-cell="${key}"] .jp-Cell-outputArea img`);
             const img = imgs[imgs.length - 1];
-            return img ? [img.naturalWidth, Math.round(img.getBoundingClientRect().width)] : [0, 0];}""", key))
+            if (!img) return [0, 0, 0];
+            const box = img.getBoundingClientRect();
+            const area = img.closest('.jp-OutputArea-output').getBoundingClientRect();
+            return [img.naturalWidth, Math.round(box.width), Math.round(area.right - box.left)];}""", key))
 
     def select_option(self, marker: str, description: str, label: str) -> None:
         box = self.cell(marker).locator(".widget-dropdown").filter(
@@ -239,6 +279,22 @@ class NotebookPage:
             locator.scroll_into_view_if_needed()
             self.page.wait_for_timeout(300)
         locator.screenshot(path=str(path))
+
+    def set_theme(self, theme: str, timeout: float = 30) -> None:
+        """Switch JupyterLab to ``theme`` (``DARK`` or ``LIGHT``) as a learner does (Settings >
+        Theme), and wait until the page has it."""
+        self.js("await window.jupyterapp.commands.execute('apputils:change-theme', {theme: arg});", theme)
+        light = "false" if theme == DARK else "true"
+        self.wait_until(lambda: self.page.evaluate("() => document.body.dataset.jpThemeLight") == light
+                        and self.page.evaluate("() => document.body.dataset.jpThemeName") == theme,
+                        timeout, f"JupyterLab did not switch to {theme}")
+        self.page.wait_for_timeout(500)  # the theme's CSS applied
+
+    def low_contrast_text(self, minimum: float = 3.0) -> list[str]:
+        """Text in the widgets whose contrast with what is behind it is under ``minimum``:1
+        (WCAG asks 4.5 for body text and 3 for large text; black on a dark theme's background
+        is about 1.1). Each as '"text": its colour on the background, ratio'."""
+        return self.js(_CONTRAST, minimum)
 
     def shutdown_kernel(self) -> None:
         try:

@@ -5,8 +5,10 @@ folders) serves a copy of the course, so that autosave never writes outputs into
 repository. Playwright drives Debian's Chromium (never a downloaded browser): each notebook
 is opened, run with Run All, and checked for error outputs, widgets that did not render,
 browser console errors and requests that leave this machine. The players are moved after
-Run All, when the notebook's own cluster is already shut down. Screenshots of each notebook
-and of every widget go to out/browser/.
+Run All, when the notebook's own cluster is already shut down. Then JupyterLab is switched to
+its dark theme (the outputs Run All drew, not a second run), and the widgets' text is checked
+for contrast in both themes. Screenshots of each notebook and of every widget, in both themes
+(``-dark``), go to out/browser/.
 
     .venv/bin/python -m pytest -m browser      # just this test
 """
@@ -25,7 +27,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import pytest
-from _browser_page import NotebookPage  # tests/_browser_page.py: the notebook-page helpers
+from _browser_page import DARK, LIGHT, NotebookPage  # tests/_browser_page.py: the notebook-page helpers
 from _sittings import course_map_minutes, reading_minutes
 
 from dpcourse.pool.kernel.procs import free_port
@@ -202,6 +204,7 @@ def test_notebook_runs_in_the_browser(lab, browser, name):
         for marker in FIGURES:
             if marker in nb.sources():
                 nb.screenshot(nb.cell(marker), ARTIFACTS / f"{stem}-{marker.strip('(')}.png")
+        _check_dark_theme(nb, page, stem)
         assert not record["console"], f"{name}: browser console errors: {record['console']}"
         assert not record["remote"], f"{name}: requests that left 127.0.0.1: {record['remote']}"
         if name.startswith("4."):  # the course map's time covers reading, the try-its and this run
@@ -216,7 +219,31 @@ def test_notebook_runs_in_the_browser(lab, browser, name):
         raise
     finally:
         nb.shutdown_kernel()
+        _light_again(nb)  # the theme is a setting of the server: the next notebook opens light
         page.close()
+
+
+def _check_dark_theme(nb, page, stem: str) -> None:
+    """What Run All drew, readable in both themes: the widgets' text has contrast in the light
+    theme; then, switched to JupyterLab Dark as a learner would (no second Run All), the same
+    outputs are photographed again (``-dark``) and checked the same way."""
+    low = nb.low_contrast_text()
+    assert not low, f"{nb.name}: widget text hard to read in the light theme: {low}"
+    nb.set_theme(DARK)
+    nb.screenshot_widgets(ARTIFACTS / f"{stem}-dark")
+    page.screenshot(path=str(ARTIFACTS / f"{stem}-dark.png"))
+    for marker in FIGURES:
+        if marker in nb.sources():
+            nb.screenshot(nb.cell(marker), ARTIFACTS / f"{stem}-{marker.strip('(')}-dark.png")
+    low = nb.low_contrast_text()
+    assert not low, f"{nb.name}: widget text hard to read in the dark theme: {low}"
+
+
+def _light_again(nb) -> None:
+    try:
+        nb.set_theme(LIGHT)
+    except Exception:  # noqa: BLE001 -- a page that broke already failed the test
+        pass
 
 
 def _image_digest(nb, cell_marker: str) -> str:
@@ -269,8 +296,9 @@ def _check_panel(nb, marker: str) -> None:
     assert "Error" not in text(), text()
     first = _image_digest(nb, marker)
     assert first, f"no picture under {marker} after its run"
-    natural, shown = nb.image_widths(marker)
-    assert natural > 0 and shown == natural, f"{marker}: picture {natural} px wide shown at {shown} px"
+    natural, shown, room = nb.image_widths(marker)  # its own width where it fits, else the output area's
+    assert natural > 0 and abs(shown - min(natural, room)) <= 4, \
+        f"{marker}: picture {natural} px wide shown at {shown} px in {room} px of output area"
     nb.move_slider(marker)
     nb.click_button(marker, "Run")
     nb.wait_until(lambda: _image_digest(nb, marker) not in ("", first) and "done on 2 ranks" in text(),

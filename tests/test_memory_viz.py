@@ -101,8 +101,10 @@ def test_calculator_flags_what_does_not_fit():
     assert rows["ddp"]["ledger"].total == 135 * 10**9 + 4 * 32
     assert rows["zero3"]["at_rest"] == 1_875_000_000
     assert "does not fit: ddp" in calc.verdict and "fits with" in calc.verdict
-    # 64 ranks are 8 nodes of 8: HYBRID_SHARD holds 16 bytes x 7.5e9 / 8 = 15 GB of model states
-    assert "The rule picks HYBRID_SHARD: sharding over one node (8 ranks) fits" in calc.verdict
+    # 64 ranks are 8 nodes of 8: ZeRO-2 inside a node holds the 2-byte parameters whole (15 GB)
+    # and 14 bytes x 7.5e9 / 8 = 13.1 GB of sharded gradients and Adam states: under 32 GB
+    assert "The rule picks HSDP, ZeRO-2 in a node of 8: sharding gradients and optimizer state" in calc.verdict
+    assert "◀ the rule" in calc.table.value and calc.plans[1]["name"] == "HSDP, ZeRO-2 in a node of 8"
     assert "<svg" in calc.chart.value
     calc.apply(world_size=1)
     assert "does not fit with any strategy" in calc.verdict

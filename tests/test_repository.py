@@ -60,7 +60,7 @@ def test_top_level_layout():
         tracked = [str(p.relative_to(ROOT)) for p in ROOT.iterdir()]
     top = {p.split("/")[0] for p in tracked}
     expected = {"README.md", "environment.yml", "pyproject.toml", "notebooks", "dpcourse",
-                "launch", "tests", ".ci", ".gitignore"}
+                "launch", "tests", ".ci", ".gitignore", ".gitattributes"}
     assert top <= expected, f"unexpected top-level entries: {top - expected}"
 
 
@@ -133,7 +133,7 @@ def test_readme_course_command_serves_the_notebooks():
                     pytest.fail(f"JupyterLab did not start: {server.communicate(timeout=10)[1][-2000:]}")
                 time.sleep(0.3)
         chapters = {p.name for p in (ROOT / "notebooks").glob("4*.ipynb")}
-        assert len(chapters) == 7 and chapters <= names   # 4.1a-b, 4.2a-e
+        assert len(chapters) == 9 and chapters <= names   # 4.1a-b, 4.2a-g
     finally:
         server.terminate()  # our own child, by its Popen handle
         try:

@@ -56,7 +56,7 @@ def test_run_redraws_the_picture_at_its_natural_size(cluster2):
     assert panel.image.value == b"" and "press Run" in panel.view.status.value
     assert list(panel.controls["bucket_cap_mb"].options) == [0.01, 25]
     first = _click(panel)
-    assert first and panel.image.layout.width == f"{png_size(first)[0]}px"
+    assert first and panel.image.layout.max_width == f"{png_size(first)[0]}px" and panel.image.layout.width == "100%"
     assert "done on 2 ranks" in panel.view.status.value and panel.progress.value == 1.0
     assert "buckets on 2 ranks" in panel.result.figure.axes[0].get_title()
     panel.controls["bucket_cap_mb"].value = 25

@@ -77,7 +77,8 @@ def test_ring_player_shows_its_picture_at_natural_size_and_survives_a_closed_clu
 
     player = dpc.viz.RingPlayer(traced, world_size=2, numel=8)
     width, height = svg_size(bytes(player.image.value).decode())
-    assert (player.image.layout.width, player.image.layout.height) == (f"{width}px", f"{height}px")
+    assert (player.image.layout.width, player.image.layout.max_width, player.image.layout.height) == (
+        "100%", f"{width}px", "auto")  # the output area's width, never more than its own
     shown = bytes(player.image.value)
     cluster.shutdown()
     player.numel.value = 4  # the callback now uses a closed cluster
@@ -116,7 +117,7 @@ def test_ledger_panels_share_one_y_axis_that_holds_every_frame(measured):
     highest = max(sum(f["peak"].values()) for c in configs for r in c for f in r["frames"]) / 1024
     assert highest <= axes[0].get_ylim()[1] < highest * 1.5
     player = memory.LedgerPlayer(*measured)
-    assert player.image.layout.width == f"{svg_size(bytes(player.image.value).decode())[0]}px"
+    assert player.image.layout.max_width == f"{svg_size(bytes(player.image.value).decode())[0]}px"
 
 
 def test_calculator_disables_what_it_ignores_and_says_a_miss_once():
@@ -190,7 +191,7 @@ def test_the_calculators_bars_are_its_ledgers_at_one_scale():
     words = _words(root)
     assert [("" if r["fits"] else "✗ ") + r["strategy"] for r in calc.rows] == \
         [w for w in words if w.lstrip("✗ ") in {r["strategy"] for r in calc.rows}]
-    assert "GB per rank (bars: at rest; black tick: peak with transients)" in words
+    assert "GB per rank (bars: at rest; tick: peak with transients)" in words
     for label in ("parameters", "gradients", "optimizer state", "master weights", "bucket buffers",
                   "device memory"):
         assert f" {label}</span>" in calc.chart.value

@@ -72,6 +72,8 @@ def clusters_for(cluster, world_sizes):
     from . import provenance
 
     given = cluster if isinstance(cluster, (list, tuple)) else [cluster] if cluster is not None else []
+    for c in given:
+        reopen(c)
     clusters = {c.world_size: c for c in given}
     started = []
     try:
@@ -143,6 +145,15 @@ def _ready() -> bool:
 
     provenance.install()   # from now on, a reference read on this rank is recorded
     return True
+
+
+def reopen(cluster) -> None:
+    """Start the notebook's ``cluster`` again when it was shut down (Run All ends with
+    ``cluster.shutdown()``, and a check run after it needs the ranks), saying so in one line."""
+    if cluster is not None and cluster.closed:
+        print(f"The notebook's cluster was shut down (its last cell does that); starting its "
+              f"{cluster.world_size} ranks again for this check.")
+        cluster.restart()
 
 
 def warm_up(cluster, timeout: float = 180.0) -> None:

@@ -22,6 +22,8 @@ of registering hooks of their own.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
@@ -54,6 +56,7 @@ class StepClock:
         self._outermost: list[nn.Module] = []  # outermost modules called since the last step
         self._depth = 0
         self._handles: list = []
+        self._quiet = None  # the warnings filter install() adds, removed with the hooks
 
     @classmethod
     def join(cls, watch: "LoopWatch") -> "StepClock":
@@ -69,6 +72,9 @@ class StepClock:
         self.watches = [w for w in self.watches if w is not watch]
         if not self.watches:
             self._handles = remove_hooks(self._handles)
+            if self._quiet in warnings.filters:
+                warnings.filters.remove(self._quiet)
+                getattr(warnings, "_filters_mutated", lambda: None)()  # what filterwarnings itself calls
             self.root = self.optimizer = None
             self._outermost = []
             if StepClock._current is self:
@@ -78,6 +84,12 @@ class StepClock:
         from torch.nn.modules import module as nn_module
         from torch.optim import optimizer as optim
 
+        # Dynamo warns that a compiled module's global hooks fire once more for its wrapper: these
+        # are the observer's hooks, which count the outermost module once whatever wraps it, so the
+        # warning is the course's own and is silenced while the observer is attached
+        warnings.filterwarnings("ignore", message=r"Using `torch\.compile\(module\)` when there are global hooks",
+                                category=UserWarning)
+        self._quiet = warnings.filters[0]
         # always_call: the depth stays right when a forward raises
         self._handles = [nn_module.register_module_forward_pre_hook(self._pre_forward),
                          nn_module.register_module_forward_hook(self._post_forward, always_call=True),
@@ -103,7 +115,8 @@ class StepClock:
 
     def _pre_step(self, optimizer, _args, _kwargs):
         self.optimizer = optimizer
-        self.root = self._find_root(optimizer) or self.root
+        found = self._find_root(optimizer)  # a module: never its truth value (DDP has no len())
+        self.root = found if found is not None else self.root
         for watch in list(self.watches):
             watch.tell("on_step_begin", watch)
 

@@ -8,9 +8,10 @@ launcher imports ``ranks.rank``, which its forked children run):
 where          modules
 =============  ==================================================================================
 ``kernel/``    the notebook's kernel: ``cluster`` (the public ``Cluster``), ``call`` (one call),
-               ``link`` (reading the ranks), ``printer`` (their output, labelled), ``traffic``
-               (what calls left in flight), ``deadlock``, ``health`` (``cluster.status()``),
-               ``magic`` (``%%ranks``), ``procs`` (handles on the launcher and a generation)
+               ``link`` (reading the ranks), ``printer`` (their output, labelled; a start's
+               progress), ``traffic`` (what calls left in flight), ``deadlock``, ``health``
+               (``cluster.status()``), ``magic`` (``%%ranks``), ``procs`` (handles on the
+               launcher and a generation)
 ``launcher``   the launcher process: forks or spawns the ranks, kills and reaps them
 ``ranks/``     each rank: ``rank`` (the loop), ``group`` (the pool's process group), ``tracker``
                (collectives, traffic, what the rank waits in), ``forwarder`` (fds 1 and 2 to the

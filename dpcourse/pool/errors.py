@@ -6,6 +6,8 @@ is the advice a hang ends with.
 """
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass, field
 
 
@@ -29,8 +31,53 @@ def wait_hint(kinds: set[str]) -> str:
     return "\n".join(parts)
 
 
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # dpcourse/
+_TOOLING = (f"{os.sep}IPython{os.sep}", f"{os.sep}ipykernel{os.sep}")  # the notebook's own machinery
+
+
+def _frame_place(filename: str, lineno: int, name: str) -> str:
+    """Where a frame is, as IPython says it: "Cell In[3], line 4" for a notebook cell."""
+    shell = sys.modules.get("IPython") and getattr(sys.modules["IPython"], "get_ipython", lambda: None)()
+    cells = getattr(getattr(shell, "compile", None), "_filename_map", {}) or {}
+    if filename in cells:
+        return f"Cell In[{cells[filename]}], line {lineno}"
+    return f'File "{filename}", line {lineno}, in {name}'
+
+
+def learner_traceback(err: BaseException, name: str) -> list[str]:
+    """``err`` as a notebook shows it, without the course's own frames (nor IPython's): the
+    learner's lines that led to it, then ``name: message``. The ranks' tracebacks are in the
+    message, already without the pool's frames."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(err.__traceback__)
+              if not f.filename.startswith(_PACKAGE) and not any(t in f.filename for t in _TOOLING)
+              and "run_cell_magic(" not in (f.line or "") and "run_line_magic(" not in (f.line or "")]
+    lines = ["Traceback (most recent call last):"] if frames else []
+    for f in frames:
+        lines.append(_frame_place(f.filename, f.lineno, f.name))
+        if f.line:
+            lines.append(f"----> {f.line.strip()}")
+    return lines + [f"\x1b[31m{name}\x1b[39m: {err}"]
+
+
 class ClusterError(RuntimeError):
     """Something went wrong with the ranks or with a request to them."""
+
+    def _render_traceback_(self) -> list[str]:
+        # IPython shows these lines instead of a traceback through the pool's files
+        return learner_traceback(self, type(self).__name__)
+
+
+class ClusterShutDown(ClusterError):
+    """A call to a cluster after its ``shutdown()``: the notebook shows this one line (IPython's
+    ``_render_traceback_``) that says what to run, not a traceback through the pool's code."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"\x1b[31mClusterError\x1b[39m: {self}"]
+
+
+ClusterShutDown.__name__ = ClusterShutDown.__qualname__ = "ClusterError"  # what a learner meets
 
 
 class SerializationError(ClusterError, TypeError):

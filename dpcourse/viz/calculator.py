@@ -7,12 +7,14 @@ slider step may); it never starts processes. Bytes are shown in the chosen unit
 """
 from __future__ import annotations
 
-from ..memory.fit import equal_units, fit_table, recommend, transformer_units
+from ..memory.choice import TOKENS_PER_RANK, choose, plans, recommend
+from ..memory.fit import equal_units, fit_table, transformer_units
 from ..memory.layout import transformer_num_params
 from ..memory.ledger import CATEGORIES, OPTIMIZERS
 from ..memory.sizes import UNITS, in_unit
 from . import svg
 from .memory import CATEGORY_COLORS, LABELS
+from .plans import render_plans_html
 
 ZERO_PRESET = {"mode": "parameters", "billions": 7.5, "world_size": 64, "precision": "mixed",
                "optimizer": "adam", "device_gb": 32.0, "activations_gb": 0.0}  # ZeRO paper, Fig. 1
@@ -37,8 +39,8 @@ def render_fit_html(rows, device_bytes: int, unit: str = "GB") -> str:
     parts, used = [], []
     for tick in ticks:
         x = _LABELS + tick * scale
-        parts += [svg.line(x, bottom, x, bottom + 4, "#444"),
-                  svg.text(x, bottom + 6, svg.tick_label(tick), 10, "middle", "#222", "hanging")]
+        parts += [svg.line(x, bottom, x, bottom + 4, svg.INK2),
+                  svg.text(x, bottom + 6, svg.tick_label(tick), 10, "middle", svg.INK, "hanging")]
     for i, row in enumerate(rows):  # first row on top, as the table lists them
         y, left = _TOP + i * _ROW + (_ROW - _BAR) / 2, 0.0
         book = row["ledger"]
@@ -50,21 +52,36 @@ def render_fit_html(rows, device_bytes: int, unit: str = "GB") -> str:
                 left += width
                 used += [c] if c not in used else []
         x = _LABELS + peaks[i] * scale
-        parts.append(svg.line(x, y - 3, x, y + _BAR + 3, "#000", 2))
+        parts.append(svg.line(x, y - 3, x, y + _BAR + 3, svg.INK, 2))
         name = ("" if row["fits"] else "✗ ") + row["strategy"]
         parts.append(svg.text(_LABELS - 6, y + _BAR / 2, name, 11, "end"))
     x = _LABELS + device * scale
-    parts += [svg.line(_LABELS, _TOP, _LABELS, bottom, "#444"), svg.line(_LABELS, bottom, right, bottom, "#444"),
+    parts += [svg.line(_LABELS, _TOP, _LABELS, bottom, svg.INK2), svg.line(_LABELS, bottom, right, bottom, svg.INK2),
               svg.line(x, _TOP - 4, x, bottom, "red", 1.5, "6 3"),
-              svg.text((_LABELS + right) / 2, height - 4, f"{unit} per rank (bars: at rest; black tick: peak "
-                       "with transients)", 11, "middle", "#000", "auto")]
+              svg.text((_LABELS + right) / 2, height - 4, f"{unit} per rank (bars: at rest; tick: peak "
+                       "with transients)", 11, "middle", svg.INK, "auto")]
     key = [(CATEGORY_COLORS[c], LABELS[c]) for c in used] + [("--red", "device memory")]
-    return f"<div style='width:{_WIDTH}px'>" + svg.svg(_WIDTH, height, parts) + svg.legend(key) + "</div>"
+    return (f"<div style='max-width:{_WIDTH}px'>" + svg.svg(_WIDTH, height, parts, fit=True) + svg.legend(key)
+            + "</div>")
+
+
+def _hybrid_absent(rows, world_size: int, shard_group_size: int) -> str:
+    """Why the HYBRID_SHARD row is missing, when it is (else ""): a row that vanishes silently
+    reads as a strategy that fits nowhere."""
+    if any(r["strategy"] == "HYBRID_SHARD" for r in rows):
+        return ""
+    if shard_group_size < 1 or world_size % shard_group_size:
+        why = f"shard_group_size={shard_group_size} does not divide world_size={world_size}"
+    else:
+        why = (f"shard_group_size={shard_group_size} leaves one replica on {world_size} rank"
+               + ("s" if world_size != 1 else "") + " (it is FULL_SHARD then)")
+    return f" HYBRID_SHARD is not listed: {why}."
 
 
 class MemoryCalculator:
-    """Widgets for the ledger of every strategy; flags the ones that do not fit and names the
-    strategy ``dpcourse.memory.recommend`` picks.
+    """Widgets for the ledger of every strategy; flags the ones that do not fit, names the plan
+    ``dpcourse.memory.recommend`` picks and tabulates every plan (``memory.choice.plans``: fit
+    beside the estimated step time, at ``tokens`` per rank and step).
 
     ``verdict`` holds the last text shown; ``apply(**values)`` sets inputs from code.
     """
@@ -86,21 +103,23 @@ class MemoryCalculator:
         self.optimizer = w.Dropdown(options=list(OPTIMIZERS), value="adam", description="optimizer", style=style)
         self.device_gb = w.FloatText(value=80.0, description="device (GB)", style=style)
         self.activations_gb = w.FloatText(value=0.0, description="activations (GB)", style=style)
+        self.tokens = w.IntText(value=TOKENS_PER_RANK, description="tokens/rank/step", style=style)
         self.unit = w.ToggleButtons(options=["GB", "GiB"], value="GB")
         self.preset = w.Button(description="ZeRO paper: 7.5B on 64 GPUs", layout=w.Layout(width="auto"))
         self.text = w.HTML()
         self.chart = w.HTML()  # the bars, as inline SVG
+        self.table = w.HTML()  # every plan of the rule, fit beside estimated step time
         self.inputs = [self.mode, self.billions, self.num_units, self.n_layers, self.d_model,
                        self.vocab_size, self.seq_len, self.world_size, self.shard_group_size,
-                       self.precision, self.optimizer, self.device_gb, self.activations_gb, self.unit]
+                       self.precision, self.optimizer, self.device_gb, self.activations_gb, self.tokens, self.unit]
         shape = w.VBox([self.n_layers, self.d_model, self.vocab_size, self.seq_len])
         self.widget = w.VBox([w.HBox([self.mode, self.preset]),
                               w.HBox([w.VBox([self.billions, self.num_units, shape]),
                                       w.VBox([self.world_size, self.shard_group_size, self.precision,
                                               self.optimizer, self.device_gb, self.activations_gb,
-                                              self.unit])]),
-                              self.text, self.chart])
-        self.verdict, self.rows = "", []
+                                              self.tokens, self.unit])]),
+                              self.text, self.chart, self.table])
+        self.verdict, self.rows, self.plans = "", [], []
         self.apply(**values)
         for widget in self.inputs:
             widget.observe(lambda _: self.update(), names="value")
@@ -145,10 +164,12 @@ class MemoryCalculator:
             self.rows = fit_table(n, world, device, self.precision.value, self.optimizer.value,
                                   shard_group_size=self.shard_group_size.value, **options)
             choice, why = recommend(n, world, device, self.shard_group_size.value, self.precision.value,
-                                    self.optimizer.value, **options)
+                                    self.optimizer.value, tokens=self.tokens.value, **options)
+            self.plans = plans(n, world, device, self.shard_group_size.value, self.precision.value,
+                               self.optimizer.value, tokens=self.tokens.value, **options)
         except ValueError as err:
             self.verdict = f"cannot compute: {err}"
-            self.text.value = f"<b style='color:#b00'>{self.verdict}</b>"
+            self.text.value = f"<b style='color:var(--jp-error-color1, #b00)'>{self.verdict}</b>"
             return
         unit = self.unit.value
         fit = [r["strategy"] for r in self.rows if r["fits"]]
@@ -157,9 +178,11 @@ class MemoryCalculator:
         self.verdict = (f"{n / 1e9:.3g}e9 parameters on {ranks}, device {self.device_gb.value:g} GB: "
                         + (f"fits with {', '.join(fit)}" if fit else "does not fit with any strategy")
                         + (f"; does not fit: {', '.join(misses)}" if fit and misses else "")
-                        + f". The rule picks {choice}: {why}")
-        self.text.value = self.verdict.replace("does not fit", "<b style='color:#b00'>does not fit</b>")
+                        + f". The rule picks {choice}: {why}." + _hybrid_absent(self.rows, world,
+                                                                               self.shard_group_size.value))
+        self.text.value = self.verdict.replace("does not fit", "<b style='color:var(--jp-error-color1, #b00)'>does not fit</b>")
         self.chart.value = render_fit_html(self.rows, device, unit if unit in UNITS else "GB")
+        self.table.value = render_plans_html(self.plans, *choose(self.plans), unit if unit in UNITS else "GB")
 
     def _ipython_display_(self):
         from IPython.display import display

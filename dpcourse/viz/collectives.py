@@ -6,7 +6,7 @@ sums several ranks' values (``collectives.live.contributions``), with the value 
 """
 from __future__ import annotations
 
-from .colors import EMPTY, rank_color
+from .colors import EMPTY, rank_color, rank_text_color
 
 
 def _draw_tensor(ax, y, values, who):
@@ -42,7 +42,7 @@ def draw_collective(call: str, before: list, after: list, ax_before, ax_after) -
         ax.set_ylim(-0.3, n)
         ax.set_yticks([n - 1 - r + 0.4 for r in range(n)], [f"rank {r}" for r in range(n)])
         for r, label in enumerate(ax.get_yticklabels()):
-            label.set_color(rank_color(r))
+            label.set_color(rank_text_color(r))
         ax.set_xticks([])
         for side in ("top", "right", "bottom", "left"):
             ax.spines[side].set_visible(False)

@@ -99,7 +99,7 @@ class ErrorView:
         import html
 
         first = (str(err).strip().splitlines() or [""])[0]
-        self.status.value = (f"<b style='color:#b00'>{html.escape(type(err).__name__)}: "
+        self.status.value = (f"<b style='color:var(--jp-error-color1, #b00)'>{html.escape(type(err).__name__)}: "
                              f"{html.escape(first)}</b> ({html.escape(what_now)})")
         self.errors.outputs = ()
         self.errors.append_stderr(describe_error(err) + "\n")
@@ -243,7 +243,7 @@ class Panel:
     def _closed(self) -> None:
         self.progress.value, self.progress.bar_style = 0, "warning"
         self.view.status.value = (
-            f"<b style='color:#b00'>The notebook's cluster of {self.world_size} ranks was shut down</b> "
+            f"<b style='color:var(--jp-error-color1, #b00)'>The notebook's cluster of {self.world_size} ranks was shut down</b> "
             "(cluster.shutdown()). Start a fresh cluster for this panel, or create a new "
             "dpc.Cluster and run the cell that made this panel again.")
         self.fresh.layout.display = ""

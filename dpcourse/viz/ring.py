@@ -14,7 +14,7 @@ from __future__ import annotations
 import io
 import math
 
-from .colors import EMPTY, rank_color
+from .colors import EMPTY, rank_color, rank_text_color
 from .panel import ErrorView
 
 
@@ -53,16 +53,17 @@ def _transfer_geometry(start, end, rad: float = -0.25):
     return a, control, b, middle
 
 
-def _draw_transfer(ax, start, end, what: str, color, rad: float = -0.25) -> None:
+def _draw_transfer(ax, start, end, what: str, color, rad: float = -0.25, text_color=None) -> None:
     """An arrow from the block at ``start`` to the block at ``end`` (data units) bending by
-    ``rad``, labelled ``what`` at the middle of its arc."""
+    ``rad``, labelled ``what`` at the middle of its arc (in ``text_color``, else ``color``)."""
+    text_color = text_color or color
     from matplotlib.patches import FancyArrowPatch
 
     a, _, b, (mx, my) = _transfer_geometry(start, end, rad)
     ax.add_patch(FancyArrowPatch(a, b, connectionstyle=f"arc3,rad={rad}", arrowstyle="-|>",
                                  mutation_scale=10, lw=1.2, color=color, alpha=0.8,
                                  shrinkA=0, shrinkB=0))
-    ax.text(mx, my, what, fontsize=7, ha="center", va="center", color=color,
+    ax.text(mx, my, what, fontsize=7, ha="center", va="center", color=text_color,
             bbox=dict(boxstyle="round,pad=0.1", fc="white", ec="none", alpha=0.85))
 
 
@@ -87,7 +88,7 @@ def _rank_label_place(trace, frame, r: int, x: float, y: float, show_values: boo
 
 def _rank_label(ax, trace, frame, r: int, x: float, y: float, show_values: bool) -> None:
     lx, ly, label, ha, va = _rank_label_place(trace, frame, r, x, y, show_values)
-    ax.text(lx, ly, label, ha=ha, va=va, fontsize=6.5, color=rank_color(r))
+    ax.text(lx, ly, label, ha=ha, va=va, fontsize=6.5, color=rank_text_color(r))
 
 
 def _limits(n: int):
@@ -129,17 +130,22 @@ def draw_frame(ax, trace, frame, show_values: bool = True) -> None:
         _rank_label(ax, trace, frame, r, x, y, show_values)
     for t in frame.transfers:
         _draw_transfer(ax, pos[t.src], pos[t.dst], "all" if t.chunk is None else f"c{t.chunk}",
-                       rank_color(t.src))
+                       rank_color(t.src), text_color=rank_text_color(t.src))
     ax.set_title(_title(trace, frame), fontsize=8)
 
 
-def plot_ring_trace(trace, columns: int = 4, panel_size: float = 3.0):
-    """A static figure: one panel per frame of ``trace`` (start, then every step)."""
+MAX_FIGURE_INCHES = 8.0  # 800 px at the inline backend's 100 dpi: a laptop's output area
+
+
+def plot_ring_trace(trace, columns: int = 4, panel_size: float = 2.6):
+    """A static figure: one panel per frame of ``trace`` (start, then every step), at most
+    ``columns`` a row and no wider than ``MAX_FIGURE_INCHES`` (a wider PNG is shrunk to the
+    output area by the browser, and its words with it)."""
     from matplotlib.figure import Figure
 
     frames = trace.frames()
-    rows = math.ceil(len(frames) / columns)
-    cols = min(columns, len(frames))
+    cols = max(1, min(columns, len(frames), int(MAX_FIGURE_INCHES // panel_size)))
+    rows = math.ceil(len(frames) / cols)
     fig = Figure(figsize=(panel_size * cols, panel_size * 1.05 * rows), layout="constrained")
     axes = fig.subplots(rows, cols, squeeze=False)
     for ax in axes.flat[len(frames):]:
@@ -175,6 +181,9 @@ def render_frame_png(trace, frame, size: float = 4.2, dpi: int = 100) -> bytes:
     return buf.getvalue()
 
 
+MAX_WIDTH_PX = 800  # a ring's drawing at most: a notebook's output area on a laptop is ~830 px
+
+
 def render_frame_svg(trace, frame, size: float = 4.2, dpi: int = 100, show_values: bool = True) -> str:
     """One frame as SVG text, what the player shows: ``draw_frame``'s drawing (the same
     places, colours and words, at ``frame_figure``'s scale and ``dpi``) written directly,
@@ -184,7 +193,12 @@ def render_frame_svg(trace, frame, size: float = 4.2, dpi: int = 100, show_value
     n = trace.world_size
     (x0, x1), (y0, y1) = _limits(n)
     unit = size / 3.45 * dpi  # pixels per data unit, as frame_figure sizes the figure
+    # A ring of 4 or 5 ranks would be ~1,200 px wide, wider than a notebook's output area,
+    # where the browser shrinks it and its labels with it: draw it narrower instead, the
+    # words at their size (they are placed beside the blocks, which have room for them).
+    unit = min(unit, MAX_WIDTH_PX / (x1 - x0))
     pt = dpi / 72  # pixels per point
+    fs = 1.25 * pt  # pixels per point of text: the player's words a size larger than the figure's
     head = (1 / 0.93 - 1) * (y1 - y0) * unit  # the title's band: frame_figure's axes fill 93 %
 
     def px(x, y):
@@ -202,18 +216,18 @@ def render_frame_svg(trace, frame, size: float = 4.2, dpi: int = 100, show_value
             sx, sy = px(left + c * cw, bottom + ch)
             parts.append(svg.rect(sx, sy, cw * unit, ch * unit, stroke="#000", width=0.8 * pt))
             tx, ty = px(left + (c + 0.5) * cw, bottom + ch + 0.02)
-            parts.append(svg.lines(tx, ty, f"c{c}", 6 * pt, "middle", "#595959", "bottom"))
+            parts.append(svg.lines(tx, ty, f"c{c}", 6 * fs, "middle", "#595959", "bottom"))
         lx, ly, label, ha, va = _rank_label_place(trace, frame, r, x, y, show_values)
         anchor = {"left": "start", "right": "end", "center": "middle"}[ha]
-        parts.append(svg.lines(*px(lx, ly), label, 6.5 * pt, anchor, rank_color(r), va))
+        parts.append(svg.lines(*px(lx, ly), label, 6.5 * fs, anchor, rank_text_color(r), va))
     for t in frame.transfers:
         a, control, b, middle = _transfer_geometry(pos[t.src], pos[t.dst])
         color = rank_color(t.src)
         parts.append(svg.arrow([px(*a), px(*control), px(*b)], color, 1.2 * pt, 0.8, 10 * pt * 0.9))
-        parts.append(svg.lines(*px(*middle), "all" if t.chunk is None else f"c{t.chunk}", 7 * pt, "middle",
-                               color, halo=True))
+        parts.append(svg.lines(*px(*middle), "all" if t.chunk is None else f"c{t.chunk}", 7 * fs, "middle",
+                               rank_text_color(t.src), halo=True))
     width, height = (x1 - x0) * unit, head + (y1 - y0) * unit
-    parts.append(svg.lines(width / 2, head - 6 * pt, _title(trace, frame), 8 * pt, "middle", va="bottom"))
+    parts.append(svg.lines(width / 2, head - 6 * pt, _title(trace, frame), 8 * fs, "middle", va="bottom"))
     return svg.svg(width, height, ['<rect width="100%" height="100%" fill="white"/>'] + parts)
 
 

@@ -10,11 +10,8 @@ parameters lived: from gather to free).
 """
 from __future__ import annotations
 
-from .colors import rank_color
+from .colors import KIND_COLORS, OTHER_KIND, rank_text_color
 
-KIND_COLORS = {"forward": "#9ecae1", "backward": "#3182bd", "optimizer": "#969696",
-               "wait": "#de2d26", "all_reduce": "#fd8d3c", "all_gather": "#31a354",
-               "reduce_scatter": "#756bb1", "unsharded": "#c7e9c0"}
 LANES = ("compute", "comm", "memory")
 
 
@@ -42,6 +39,7 @@ def draw_timeline(events, ax=None, title: str = "", unit: str = "ms", label_min:
     """
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
+    from matplotlib.transforms import offset_copy
 
     scale = {"ms": 1e3, "s": 1.0}[unit]
     events = [e for e in events if e.end >= e.start]
@@ -66,18 +64,22 @@ def draw_timeline(events, ax=None, title: str = "", unit: str = "ms", label_min:
         left, width = e.start * scale, max(e.duration * scale, span * 0.002)
         bottom = base[e.rank, e.lane] + r + 0.1
         ax.barh(bottom, width, left=left, height=0.8, align="edge",
-                color=KIND_COLORS.get(e.kind, "#bdbdbd"), edgecolor="white", linewidth=0.4)
+                color=KIND_COLORS.get(e.kind, OTHER_KIND), edgecolor="white", linewidth=0.4)
         if width > label_min * span and e.name:
             ax.text(left + width / 2, bottom + 0.4, e.name.replace("gradient sync", "wait"),
                     ha="center", va="center", fontsize=6.5, clip_on=True)
     ax.set_yticks([t for t, _, _ in ticks], [label for _, label, _ in ticks], fontsize=8)
     for tick, (_, _, rank) in zip(ax.get_yticklabels(), ticks):
-        tick.set_color(rank_color(rank))
+        tick.set_color(rank_text_color(rank))
     ax.set_xlabel(f"time ({unit})")
     ax.set_xlim(0, span * 1.01)
     used = sorted({e.kind for e in events if e.kind in KIND_COLORS}, key=list(KIND_COLORS).index)
+    # under the axis title, a fixed 34 points below the axes whatever their height (a fraction
+    # of a tall chart's height left a gap as tall as a band of ranks)
+    below = offset_copy(ax.transAxes, fig=ax.figure, y=-34, units="points")
     ax.legend(handles=[Patch(color=KIND_COLORS[k], label=k.replace("_", "-")) for k in used],
-              loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=len(used), fontsize=7, frameon=False)
+              loc="upper center", bbox_to_anchor=(0.5, 0), bbox_transform=below, ncol=len(used),
+              fontsize=7, frameon=False)
     if title:
         ax.set_title(title, fontsize=10)
     return ax

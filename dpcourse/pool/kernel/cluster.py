@@ -28,9 +28,9 @@ from ...backends import BackendError, choose_backend
 from . import health
 from .. import wire
 from .call import Call, Outcome
-from ..errors import ClusterError, interrupted
+from ..errors import ClusterError, ClusterShutDown, interrupted
 from .link import RankLink
-from .printer import RankPrinter
+from .printer import RankPrinter, StartProgress
 from ...processes import free_ports
 from .procs import Generation, LauncherProcess, MemoryWatch, check_port, readable
 from .traffic import in_flight
@@ -39,10 +39,11 @@ _DEFAULT = object()
 _current: weakref.ref | None = None
 
 
-def current_cluster() -> "Cluster | None":
-    """The most recently started cluster that is still open (used by %%ranks)."""
+def current_cluster(closed: bool = False) -> "Cluster | None":
+    """The most recently started cluster that is still open (used by %%ranks); ``closed=True``:
+    also one that was shut down since (so %%ranks can say how to start it again)."""
     cluster = _current() if _current else None
-    return cluster if cluster is not None and not cluster.closed else None
+    return cluster if cluster is not None and (closed or not cluster.closed) else None
 
 
 def _kernel_cwd() -> str:
@@ -140,19 +141,34 @@ class Cluster:
         self._carried: dict = {}  # traffic of earlier calls still in flight (see traffic)
         self._health = health.Record()  # what cluster.status() says of the calls
         self._memory = MemoryWatch()
+        self._shows_start = current  # a checker's own cluster starts without a progress line
+        self._open()
+        if current:  # a checker's own cluster (current=False) never becomes the one %%ranks uses
+            _current = weakref.ref(self)
+
+    def _open(self) -> None:
+        """Start the launcher and the ranks (at creation, and again after ``shutdown``)."""
         self.closed = False
+        self._gen = None
         self._crash_dir = tempfile.mkdtemp(prefix="dpcourse-")
         self._spares: list[Generation] = []  # spawn: the next generations, oldest (warmest) first
-        self._launcher = LauncherProcess(start_timeout, self.start_method)
+        self._progress = StartProgress(self.world_size, self.backend, self._shows_start)
+        try:
+            self._launcher = LauncherProcess(self._start_timeout, self.start_method)
+        except BaseException:
+            self._progress.done(False)
+            raise
+        self._progress.launcher_ready()
         self._link = RankLink(self._launcher, self._printer, self._memory, self._crash_dir)
         self._finalizer = weakref.finalize(self, _close, self._launcher, self._crash_dir)
         try:
             self._start_ranks()
         except BaseException:
+            self._progress.done(False)
             self.shutdown()
             raise
-        if current:  # a checker's own cluster (current=False) never becomes the one %%ranks uses
-            _current = weakref.ref(self)
+        self._progress.done(True)
+        self._progress = None  # restarts after a failure take ~0.3 s: they show no progress
 
     # --- public surface ------------------------------------------------------------
     def status(self) -> health.ClusterStatus:
@@ -260,8 +276,11 @@ class Cluster:
                     pass
 
     def restart(self) -> None:
-        """Kill the ranks and start fresh ones (new process group, empty rank namespaces)."""
-        self._check_open()
+        """Kill the ranks and start fresh ones (new process group, empty rank namespaces); after
+        ``shutdown``, start the cluster again, as ``Cluster(...)`` with the same settings would."""
+        if self.closed:
+            self._open()
+            return
         self._restart()
         self._wait_ready()
 
@@ -280,8 +299,8 @@ class Cluster:
     # --- starting ranks ------------------------------------------------------------
     def _check_open(self) -> None:
         if self.closed:
-            raise ClusterError("this Cluster was shut down; start a new one with "
-                               f"dpc.Cluster(world_size={self.world_size})")
+            raise ClusterShutDown(f"this cluster was shut down (a notebook's last cell does that): "
+                                  f"cluster.restart() starts its {self.world_size} ranks again")
 
     def _spec(self, port: int, number: int) -> dict:
         return {"world_size": self.world_size, "backend": self.backend, "port": port,
@@ -345,6 +364,8 @@ class Cluster:
                     errors[rank] = f"rank {rank} failed to start:\n{msg.text}"
                 else:  # wire.Ready
                     self._link.oom_first = self._link.oom_first and msg.oom_first
+                    if self._progress is not None:
+                        self._progress.rank_ready(rank)
         self._printer.flush()
         if waiting or errors:
             self._launcher.kill(gen)

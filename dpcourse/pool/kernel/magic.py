@@ -59,7 +59,7 @@ class RanksMagics(Magics):
             if cluster is None:
                 raise ClusterError(f"no kernel variable named {args.cluster!r} holds a Cluster")
         else:
-            cluster = current_cluster()
+            cluster = current_cluster(closed=True)   # a shut-down one says how to start it again
             if cluster is None:
                 raise ClusterError("no running cluster: start one first, e.g. "
                                    "cluster = dpc.Cluster(world_size=2)")

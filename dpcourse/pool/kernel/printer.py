@@ -7,6 +7,7 @@ other; when the line ends, its final state is printed like any other line.
 """
 from __future__ import annotations
 
+import re
 import sys
 import time
 
@@ -14,6 +15,18 @@ import time
 def _in_ipykernel() -> bool:
     shell = sys.modules.get("IPython") and getattr(sys.modules["IPython"], "get_ipython", lambda: None)()
     return shell is not None and hasattr(shell, "kernel")
+
+
+# Lines a rank writes to stderr that say nothing to a learner and would show as a red block:
+# Kineto (torch.profiler's engine) marks every profiler start and stop with a tracepoint line,
+# "USDT:2026-01-01 10:00:00 4711:4711 SyncActivityProfilerHandler.cpp:52] profiler_start".
+# Only these exact lines are dropped; Kineto's warnings and errors still show.
+HARMLESS_STDERR = (re.compile(r"USDT:\S+ \S+ \d+:\d+ \w+\.cpp:\d+\] profiler_(start|stop)\s*"),)
+
+
+def harmless(line: str) -> bool:
+    """Whether a rank's stderr ``line`` is one of ``HARMLESS_STDERR`` (not shown)."""
+    return any(pattern.fullmatch(line) for pattern in HARMLESS_STDERR)
 
 
 def collapse_carriage_returns(line: str) -> str:
@@ -55,6 +68,8 @@ class RankPrinter:
     def feed(self, rank: int, stream: str, text: str) -> None:
         key = (rank, stream)
         *lines, rest = (self.partial.get(key, "") + text).split("\n")
+        if stream == "stderr":
+            lines = [x for x in lines if not harmless(x)]
         if lines:
             self._clear_bar(key)
             out = sys.stdout if stream == "stdout" else sys.stderr
@@ -102,3 +117,46 @@ class RankPrinter:
             self._clear_bar(key)
         sys.stdout.flush()
         sys.stderr.flush()
+
+
+class StartProgress:
+    """One line, updated in place, while a cluster starts (its first start takes seconds, most
+    of them importing torch): shown in a Jupyter kernel only, as a display the kernel updates;
+    elsewhere (scripts, tests) nothing is printed."""
+
+    def __init__(self, world_size: int, backend: str, shown: bool = True):
+        self.world_size, self.backend = world_size, backend
+        self.started = time.monotonic()
+        self.ready: list[int] = []
+        self._handle = None
+        if shown and _in_ipykernel():
+            from IPython.display import display
+
+            self._handle = display(self._text("the launcher imports torch (once per cluster)"),
+                                   display_id=True)
+
+    def _text(self, doing: str):
+        from IPython.display import Pretty
+
+        return Pretty(f"dpcourse: starting {self.world_size} rank{'s' if self.world_size != 1 else ''} "
+                      f"({self.backend}), {time.monotonic() - self.started:.1f} s: {doing}")
+
+    def _show(self, doing: str) -> None:
+        if self._handle is not None:
+            self._handle.update(self._text(doing))
+
+    def launcher_ready(self) -> None:
+        self._show(f"ranks joining the process group (0 of {self.world_size} ready)")
+
+    def rank_ready(self, rank: int) -> None:
+        self.ready.append(rank)
+        self._show(f"ranks joining the process group ({len(self.ready)} of {self.world_size} ready: "
+                   + ", ".join(f"rank {r}" for r in sorted(self.ready)) + ")")
+
+    def done(self, ok: bool) -> None:
+        if self._handle is not None:
+            from IPython.display import Pretty
+
+            took = time.monotonic() - self.started
+            self._handle.update(Pretty(f"dpcourse: {self.world_size} ranks ready in {took:.1f} s" if ok
+                                       else f"dpcourse: the ranks did not start ({took:.1f} s); see below"))
