@@ -348,8 +348,8 @@ def sync_batchnorm_accepts_cpu():
 
 def flight_recorder_entries() -> list[dict]:
     """This process's flight-recorder entries, oldest first, as c10d dumps them (each with
-    ``profiling_name``, ``collective_seq_id``, ``state``, ...); empty unless
-    ``TORCH_FR_BUFFER_SIZE`` was set before the process group existed. Gloo's recorder has no
+    ``profiling_name``, ``collective_seq_id``, ``state``, ...). The recorder is on by default in
+    2.13 (2,000 entries; ``TORCH_FR_BUFFER_SIZE=0`` before the process group turns it off). Gloo's recorder has no
     public reader in 2.13 (NCCL dumps its own with ``TORCH_NCCL_DUMP_ON_TIMEOUT=1``)."""
     import json
 

@@ -1,6 +1,6 @@
 """``dpc.observe.Comm.read_flight_recorder()``: PyTorch's flight recorder read through the one
 module of private names (4.2d's hang script calls it), checked on real ranks, and its absence
-named."""
+named; and the recorder on by default in 2.13, under torchrun with neither of its variables set."""
 from __future__ import annotations
 
 import json
@@ -10,12 +10,12 @@ import torch
 
 from dpcourse import torch_private as tp
 from dpcourse.observe import Comm
+from dpcourse.processes import launch_env, run_process, torchrun_command
 
 pytestmark = pytest.mark.timeout(300)
 
 SCRIPT = '''
 import json, os, sys
-os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "64")       # before the process group exists
 import torch
 import torch.distributed as dist
 from dpcourse.observe import Comm
@@ -48,3 +48,24 @@ def test_without_the_private_reader_the_error_names_it_and_both_releases(monkeyp
         Comm.read_flight_recorder()
     text = str(err.value)
     assert f"`torch._C._distributed_c10d._dump_fr_trace_json`; you have {torch.__version__}" in text, text
+
+
+@pytest.mark.slow
+def test_under_torchrun_with_neither_variable_set_the_recorder_lists_both_collectives(tmp_path):
+    """PyTorch 2.13 records by default (c10d's FlightRecorder: 2000 entries unless
+    TORCH_FR_BUFFER_SIZE or TORCH_NCCL_TRACE_BUFFER_SIZE says otherwise): fresh processes,
+    neither variable in their environment, and both collectives are there, in order. On Gloo
+    every entry stays "scheduled", finished or not (4.2d reads the order, not the state)."""
+    script = tmp_path / "recorded.py"
+    script.write_text(SCRIPT.replace('json.dump([[e["profiling_name"], e["collective_seq_id"]] for e in entries], f)',
+                                     'json.dump([[e["profiling_name"], e["collective_seq_id"], e["state"]] for e in entries], f)'))
+    env = launch_env()
+    for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):
+        env.pop(name, None)
+    done = run_process(torchrun_command(2, script, tmp_path / "fr"), 180, env=env, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in range(2):
+        entries = json.loads((tmp_path / f"fr.rank{rank}.json").read_text())
+        assert [(n, s) for n, _, s in entries] == [("gloo:all_reduce", "scheduled"),
+                                                   ("gloo:broadcast", "scheduled")], entries
+        assert entries[1][1] == entries[0][1] + 1

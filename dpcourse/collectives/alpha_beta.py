@@ -46,7 +46,8 @@ def time_all_reduce(sizes_bytes, repeats: int = 20) -> dict:
 # slower (nccl-tests' busbw stays below them); latencies are the per-step hardware latencies
 # of NCCL's own cost model for a ring with its Simple protocol (src/graph/tuning.cc, hwLat; the
 # same NVLink 3.4, PCI 5.7 and NET 14.0 us from NCCL 2.18 (tag v2.18.1-1) through 2.30 (v2.30.7-1),
-# where the table moved into ncclTunerConstantsDefaults; up to 2.17 NET was 9.6 us). NCCL also
+# where the table moved into ncclTunerConstantsDefaults). NET was not always 14.0: 28 us in
+# v2.12.7-1 and v2.13.4-1, 9.6 us from v2.14.3-1 to v2.17.1-1; NVLink and PCI stayed. NCCL also
 # adds a base latency per collective, baseLat, 8.4 us for ring/Simple in all of them: left out
 # here, since it is paid once per collective, not per ring step.
 

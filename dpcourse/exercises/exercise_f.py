@@ -166,7 +166,7 @@ def _judge_precision(logs) -> tuple[bool | None, str]:
     if not gathered or not reduced:
         return None, "judged once parameters are gathered and gradients reduce-scattered"
     low = {"bfloat16", "float16"}
-    cuda_without_bf16 = torch.cuda.is_available() and not torch.cuda.is_bf16_supported()
+    cuda_without_bf16 = torch.cuda.is_available() and not torch.cuda.is_bf16_supported(including_emulation=False)
     if not gathered <= low and not (cuda_without_bf16 and gathered == {"float32"}):
         return False, (f"the all-gathers carried {', '.join(sorted(gathered))}: the parameters were gathered at "
                        "full precision (PyTorch runs bf16 on CPUs too) -- what tells fully_shard the dtype "

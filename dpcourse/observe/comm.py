@@ -211,8 +211,10 @@ class Comm(Observer):
 
     @staticmethod
     def read_flight_recorder() -> list[dict]:
-        """PyTorch's own record of this process's last collectives (its flight recorder, kept
-        when ``TORCH_FR_BUFFER_SIZE`` is set before the process group exists), oldest first:
+        """PyTorch's own record of this process's last collectives (its flight recorder: on by
+        default in 2.13, the last 2000 entries, c10d's ``FlightRecorder.hpp``;
+        ``TORCH_FR_BUFFER_SIZE``, or its older name ``TORCH_NCCL_TRACE_BUFFER_SIZE``, set before
+        the process group exists, changes the count, and 0 turns it off), oldest first:
         one dict per collective, with ``profiling_name`` (e.g. "gloo:all_reduce"),
         ``collective_seq_id`` and ``state`` ("scheduled", "started", "completed"). Works in
         any process, a torchrun script included, with no observer attached."""

@@ -78,8 +78,9 @@ def main(argv=None):
     # of its OWN weights. The same seed on every rank, before sharding, makes them one model.
     # Mixed precision: each unit's weights are gathered (and computed with) in param_dtype,
     # gradients reduced in float32; the float32 shards are the master copy the optimizer
-    # steps. bf16 runs on CPUs too, only slower; on GPUs it needs Ampere or newer.
-    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+    # steps. bf16 runs on CPUs too, only slower; a GPU older than Ampere (V100, T4) has no bf16
+    # units, yet is_bf16_supported says True there unless asked without emulation.
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
         args.param_dtype = "float32"
     policy = MixedPrecisionPolicy(param_dtype=getattr(torch, args.param_dtype), reduce_dtype=torch.float32)
     torch.manual_seed(args.seed)
@@ -114,8 +115,9 @@ def main(argv=None):
         if rank == 0:
             print(f"epoch {epoch}: mean loss {total.item() / steps:.6f}")
 
-    # Gathering the full weights is a collective: every rank calls it. With cpu_offload only
-    # rank 0 receives them (on the CPU), so no GPU has to hold a second full copy.
+    # Gathering the full weights is a collective: every rank calls it and joins each tensor's
+    # all-gather. With cpu_offload only rank 0 keeps the gathered tensors, copied to the CPU,
+    # so no GPU keeps a second full copy.
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     state = get_model_state_dict(model, options=options)
     if rank == 0:

@@ -66,7 +66,9 @@ class TrainConfig:
         if self.mixed_precision == "bf16" and device_type == "cuda":
             import torch
 
-            if not torch.cuda.is_bf16_supported():
+            # The default, including_emulation=True, also says True on V100 and T4, which
+            # only emulate bf16: ask for the hardware's own bf16 units.
+            if not torch.cuda.is_bf16_supported(including_emulation=False):
                 raise ConfigError("bf16 needs a GPU with bfloat16 support (Ampere or newer); "
                                   "use --mixed-precision fp16 or fp32")
         self.validate_checkpointing()

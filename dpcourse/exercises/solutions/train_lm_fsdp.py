@@ -73,8 +73,9 @@ def start_rank():
 def shard(model, mesh):
     """One FSDP unit per transformer block, then the root for the rest: the token embedding
     and the head share one weight, so they must be in one unit (split, FSDP refuses)."""
-    compute = torch.bfloat16  # on CPUs too, only slower; a GPU older than Ampere has none
-    if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+    compute = torch.bfloat16  # on CPUs too, only slower; a GPU older than Ampere has no bf16
+    # units, yet is_bf16_supported says True there too unless asked without emulation
+    if torch.cuda.is_available() and not torch.cuda.is_bf16_supported(including_emulation=False):
         compute = torch.float32
     policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
     for block in model.blocks:
