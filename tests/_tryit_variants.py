@@ -10,5 +10,7 @@ from _tryit_variants_42b import VARIANTS as _42B
 from _tryit_variants_42c import VARIANTS as _42C
 from _tryit_variants_42d import VARIANTS as _42D
 from _tryit_variants_42e import VARIANTS as _42E
+from _tryit_variants_42f import VARIANTS as _42F
+from _tryit_variants_42g import VARIANTS as _42G
 
-VARIANTS = {**_42A, **_42B, **_42C, **_42D, **_42E}
+VARIANTS = {**_42A, **_42B, **_42C, **_42D, **_42E, **_42F, **_42G}

@@ -78,6 +78,7 @@ SLOW_FILES = {
     "test_deadlock.py", "test_faults.py", "test_script_isolation.py", "test_start_method.py",
     "test_run_script.py", "test_scratch_ddp.py", "test_kernel.py", "test_at_work.py",
     "test_notebook_peaks.py", "test_soak.py", "test_scripts.py", "test_script_end.py",
+    "test_compile_meshes.py", "test_long_runs.py", "test_large_models_memory.py",
 }
 
 # Under `-n 2 --dist loadfile` a file runs on one worker from start to end: the longest start

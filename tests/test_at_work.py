@@ -2,8 +2,8 @@
 cells) run on real ranks and are compared with one process, with the formula behind the
 number (the sampler's padding, the hooks' bytes, ZeroRedundancyOptimizer's partition), with
 a second tool (torch.profiler against the Timeline observer), DDP's collectives under
-find_unused_parameters and static_graph against the model's tensors, and the projection of
-where data parallelism stops paying with the alpha-beta model written out in closed form."""
+find_unused_parameters and static_graph against the model's tensors; and 4.2g's projection of
+where data parallelism stops paying, with the alpha-beta model written out in closed form."""
 from __future__ import annotations
 
 import json
@@ -172,7 +172,11 @@ def closed_form_rate(global_tokens: int, n: int, params: float = 1e9) -> float:
 
 
 def test_where_data_parallelism_stops_paying_is_the_closed_form():
-    ns = notebook("scale-1")
+    """4.2g's projection (the chapter's close; it was 4.2e's)."""
+    cells = {c["id"]: "".join(c["source"]) for c in json.loads(NB.with_name("4.2g-compile-meshes-and-choosing.ipynb")
+                                                                .read_text())["cells"]}
+    ns = {"__name__": "__main__", "dpc": dpc}
+    exec(cells["scale-1"], ns)
     for mi in (1, 4):
         for n in [2**k for k in range(3, 11)]:
             assert ns["tokens_per_second_per_rank"](mi * 2**20, n) == pytest.approx(closed_form_rate(mi * 2**20, n), rel=1e-9)

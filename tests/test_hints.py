@@ -24,8 +24,8 @@ SOLUTIONS = ROOT / "dpcourse" / "exercises" / "solutions"
 FENCE = re.compile(r"^\s*(```|~~~)|^( {4}|\t)\S", re.M)           # a fenced or an indented code block
 SPAN = re.compile(r"`([^`\n]*)`")
 NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*(\(\))?")           # `no_sync`, `Tensor.split`, `backward()`
-CHAPTER = re.compile(r"\b4\.[12][a-e]\b")                           # a notebook: 4.1a ... 4.2e
-CHAPTER_ANY = re.compile(r"\b4\.[12](?:[a-e]\b|(?![\d.]))")          # 4.2c, or a bare "4.1"
+CHAPTER = re.compile(r"\b4\.[12][a-g]\b")                           # a notebook: 4.1a ... 4.2g
+CHAPTER_ANY = re.compile(r"\b4\.[12](?:[a-g]\b|(?![\d.]))")          # 4.2c, or a bare "4.1"
 TAG = re.compile(r"</?\w+>")
 # an operator between two operands that are a digit, a lone letter or a bracket: (N−1)/N, 4P + 4B,
 # r − s, 16P/F, N-1; a hyphen counts only next to a digit or spaced, so words like all-reduce pass
@@ -341,19 +341,19 @@ def names_shown_elsewhere(text: str) -> list[str]:
 @pytest.mark.parametrize("book, cell_id, text", ALL_HINTS, ids=HINT_IDS)
 def test_a_hint_points_at_the_notebook_that_shows_what_it_names(book, cell_id, text):
     bare = [m.group(0) for m in CHAPTER_ANY.finditer(text) if not CHAPTER.fullmatch(m.group(0))]
-    assert not bare, f"{book} {cell_id}: say which notebook ({bare}: 4.1a or 4.1b, 4.2a ... 4.2e)"
+    assert not bare, f"{book} {cell_id}: say which notebook ({bare}: 4.1a or 4.1b, 4.2a ... 4.2g)"
     wrong = names_shown_elsewhere(text)
     assert not wrong, f"{book} {cell_id}: " + "; ".join(wrong)
 
 
 def test_the_pointer_scan_sees_a_wrong_notebook():
     assert names_shown_elsewhere("Tell it with `set_requires_gradient_sync` (4.2b's try-it did it).")
-    assert not names_shown_elsewhere("Tell it with `set_requires_gradient_sync` (4.2c's try-it did it).")
+    assert not names_shown_elsewhere("Tell it with `set_requires_gradient_sync` (4.2f's try-it did it).")
 
 
-POINTER = re.compile(r"\b(?:as in|see|like|from) 4\.[12][a-e]\b"
-                     r"|\b4\.[12][a-e](?:'s|’s) [\w -]*?(?:try-it|section|script|cell)"
-                     r"|\(4\.[12][a-e]\)|\b4\.[12][a-e] (?:shows|showed|did|does|wrote|writes|teaches)\b")
+POINTER = re.compile(r"\b(?:as in|see|like|from) 4\.[12][a-g]\b"
+                     r"|\b4\.[12][a-g](?:'s|’s) [\w -]*?(?:try-it|section|script|cell)"
+                     r"|\(4\.[12][a-g]\)|\b4\.[12][a-g] (?:shows|showed|did|does|wrote|writes|teaches)\b")
 
 
 def test_a_checker_message_points_at_the_notebook_that_shows_what_it_names():

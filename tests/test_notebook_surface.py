@@ -185,6 +185,8 @@ ALLOWED_PRIVATE = {
     (None, "from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing"),
     # exercise E's scaffold runs code when backward ends as DDP's own Python does (no public API)
     ("E-bucketed-ddp.ipynb", "torch..._execution_engine"),
+    # optimize_ddp, DDP's switch under torch.compile, is a Dynamo config entry: no public home in 2.13
+    ("4.2g-compile-meshes-and-choosing.ipynb", "import torch._dynamo.config"),
 }
 
 
@@ -340,10 +342,10 @@ IDEAS = {"largest_difference": is_largest_difference, "shard_blocks": is_shard_b
 # Names that mean different things in different notebooks, each for a reason; any other helper
 # defined in several notebooks has the same arguments in each (an exception that no longer differs fails).
 SIGNATURES_DIFFER = {
-    # try-it scaffolds: the argument names the model the checker hands in (DDP in 4.2a, FSDP2 in 4.2c)
-    "accumulate": {"4.2a-communication-and-ddp.ipynb", "4.2c-large-models.ipynb"},
-    # 4.2c's takes `api` to accumulate under FSDP1's no_sync() or FSDP2's set_requires_gradient_sync()
-    "train_accumulating": {"4.1a-data-parallelism-in-depth.ipynb", "4.2c-large-models.ipynb"},
+    # try-it scaffolds: the argument names the model the checker hands in (DDP in 4.2a, FSDP2 in 4.2f)
+    "accumulate": {"4.2a-communication-and-ddp.ipynb", "4.2f-long-runs.ipynb"},
+    # 4.2f's takes `api` to accumulate under FSDP1's no_sync() or FSDP2's set_requires_gradient_sync()
+    "train_accumulating": {"4.1a-data-parallelism-in-depth.ipynb", "4.2f-long-runs.ipynb"},
     # 4.2b's wraps and trains a fresh MLP; 4.2d's is the Join try-it's loop over a rank's own batches
     "train": {"4.2b-fsdp.ipynb", "4.2d-launching-faults-and-pitfalls.ipynb"},
     # 4.2c's measures a model's bytes on a rank; exercise B's is the learner's ledger of a setup

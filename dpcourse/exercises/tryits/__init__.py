@@ -27,11 +27,12 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .. import provenance
-from ..ranks import RankFailure, blanks_in, judge_cluster, other_world_size, run_or_failure
+from ..ranks import RankFailure, blanks_in, judge_cluster, other_world_size, reopen, run_or_failure
 from ..report import Report
 
 # the module of checkers for each chapter (imported when one of its try-its is checked)
-MODULES = {"4.2a": "ddp", "4.2b": "fsdp", "4.2c": "large_models", "4.2d": "pitfalls", "4.2e": "at_work"}
+MODULES = {"4.2a": "ddp", "4.2b": "fsdp", "4.2c": "large_models", "4.2d": "pitfalls", "4.2e": "at_work",
+           "4.2f": "long_runs", "4.2g": "compile_meshes"}
 SOLUTIONS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "solutions", "tryits")
 RUNS = "runs on every rank"     # a check's first item: did the learner's code run at all
 LATER = "judged once it runs"   # what an item says when the ranks never got that far
@@ -166,6 +167,7 @@ def _check(chapter: str, name: str, answer, cluster, second: bool) -> Report:
         return report
     if cluster is None:
         raise ValueError("pass the notebook's cluster: check_answer(..., cluster) runs your code on its ranks")
+    reopen(cluster)   # after Run All, whose last cell shut it down
     provenance.from_cluster(cluster, earlier=True)   # what its ranks read before it
     report = tryit.check(answer, cluster)
     provenance.from_cluster(cluster)

@@ -1,5 +1,5 @@
 """4.2b's try-its: FSDP2, FSDP1 and mixed precision, written by the learner (checked on the
-notebook's ranks). 4.2c's DCP and accumulation checkers use the helpers here.
+notebook's ranks). 4.2f's DCP and accumulation checkers (``long_runs``) use the helpers here.
 
 Each checker runs the learner's function on every rank next to a reference computed on the
 same rank (one process on the whole global batch, or the saver's own full state), and judges
