@@ -359,3 +359,12 @@ def flight_recorder_entries() -> list[dict]:
     dump = _member(c10d, "_dump_fr_trace_json", "torch._C._distributed_c10d._dump_fr_trace_json",
                    "reading the flight recorder")
     return json.loads(dump()).get("entries", [])
+
+
+def ipython_cell_numbers() -> dict:
+    """{filename: execution count} of the cells this IPython shell compiled ({} outside IPython):
+    the private map IPython reads to print "Cell In[3]" (``shell.compile._filename_map``)."""
+    import sys
+
+    shell = sys.modules.get("IPython") and getattr(sys.modules["IPython"], "get_ipython", lambda: None)()
+    return getattr(getattr(shell, "compile", None), "_filename_map", {}) or {}

@@ -74,7 +74,6 @@ class StepClock:
             self._handles = remove_hooks(self._handles)
             if self._quiet in warnings.filters:
                 warnings.filters.remove(self._quiet)
-                getattr(warnings, "_filters_mutated", lambda: None)()  # what filterwarnings itself calls
             self.root = self.optimizer = None
             self._outermost = []
             if StepClock._current is self:

@@ -7,7 +7,6 @@ is the advice a hang ends with.
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass, field
 
 
@@ -37,8 +36,9 @@ _TOOLING = (f"{os.sep}IPython{os.sep}", f"{os.sep}ipykernel{os.sep}")  # the not
 
 def _frame_place(filename: str, lineno: int, name: str) -> str:
     """Where a frame is, as IPython says it: "Cell In[3], line 4" for a notebook cell."""
-    shell = sys.modules.get("IPython") and getattr(sys.modules["IPython"], "get_ipython", lambda: None)()
-    cells = getattr(getattr(shell, "compile", None), "_filename_map", {}) or {}
+    from ..torch_private import ipython_cell_numbers
+
+    cells = ipython_cell_numbers()
     if filename in cells:
         return f"Cell In[{cells[filename]}], line {lineno}"
     return f'File "{filename}", line {lineno}, in {name}'
