@@ -42,7 +42,7 @@ almost does).
       sharded_param, _unsharded_param, all_gather_outputs                      parameters and buffers
     FSDP_WRAPPED_MODULE, _CHECKPOINT_WRAPPED_MODULE  observe (module names),   wrapped names as in the plain
                                                      train.runner              model; is this FSDP1
-    torch.distributed._functional_collectives        exercises.observe         DTensor's collectives
+    torch.distributed._functional_collectives        exercises.recorder        DTensor's collectives
     cloudpickle.cloudpickle._code_reduce             pool.wire                 a cell's file name in tracebacks
     torch._C._distributed_c10d._dump_fr_trace_json   observe.Comm              the flight recorder's entries, on
                                                      .read_flight_recorder     Gloo (public: none; NCCL dumps its own)
@@ -322,26 +322,21 @@ def sync_batchnorm_accepts_cpu():
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     purpose = "4.2d's sync_batchnorm check (SyncBatchNorm on CPU ranks)"
-    refusal = _member(DDP, "_passing_sync_batchnorm_handle",
-                      "DistributedDataParallel._passing_sync_batchnorm_handle", purpose)
-    backend_name = _member(torch._C, "_get_privateuse1_backend_name",
-                           "torch._C._get_privateuse1_backend_name", purpose)
+    from .patching import patched
+
+    # Both exist in this torch, or the caller hears which one is gone, and for what.
+    _member(DDP, "_passing_sync_batchnorm_handle", "DistributedDataParallel._passing_sync_batchnorm_handle", purpose)
+    _member(torch._C, "_get_privateuse1_backend_name", "torch._C._get_privateuse1_backend_name", purpose)
     forward = torch.nn.SyncBatchNorm.forward
 
     def forward_on_cpu(self, input):
-        torch._C._get_privateuse1_backend_name = lambda: "cpu"
-        try:
+        with patched(torch._C, _get_privateuse1_backend_name=lambda: "cpu"):
             return forward(self, input)
-        finally:
-            torch._C._get_privateuse1_backend_name = backend_name
 
-    torch.nn.SyncBatchNorm.forward = forward_on_cpu
-    DDP._passing_sync_batchnorm_handle = lambda self, module: None
-    try:
+    # The forward is put back first, then DDP's refusal, as the patches were taken off before.
+    with patched(DDP, _passing_sync_batchnorm_handle=lambda self, module: None), \
+            patched(torch.nn.SyncBatchNorm, forward=forward_on_cpu):
         yield
-    finally:
-        torch.nn.SyncBatchNorm.forward = forward
-        DDP._passing_sync_batchnorm_handle = refusal
 
 
 # --- the flight recorder (4.2d's hang script) ------------------------------------------------

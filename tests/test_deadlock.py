@@ -266,7 +266,7 @@ def test_an_inference_tensor_collective_leaves_no_false_imbalance(cluster, capfd
 
 
 def collectives_on_views_inference_tensors_and_refused_ones():
-    from dpcourse.pool.ranks.tracker import TRACKER
+    from dpcourse.tracking.tracker import TRACKER
 
     seen, base = [], torch.ones(4, 4)
     with torch.inference_mode():

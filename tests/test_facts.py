@@ -183,7 +183,7 @@ def _offloaded_full_state_dict():
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.fsdp import fully_shard
 
-    from dpcourse.pool.ranks.tracker import TRACKER
+    from dpcourse.tracking.tracker import TRACKER
 
     model = dpc.models.build_model("mlp", seed=0)
     for block in model.blocks:

@@ -12,7 +12,7 @@ import torch
 import dpcourse as dpc
 from dpcourse.collectives.schedule import simulate
 from dpcourse.pool.kernel.printer import RankPrinter, harmless
-from dpcourse.pool.ranks.tracker import C10D_OPS
+from dpcourse.tracking.tracker import C10D_OPS
 from dpcourse.viz import calculator, ring, svg
 from dpcourse.viz.colors import KIND_COLORS
 

@@ -102,7 +102,33 @@ def test_the_launchers_messages_keep_their_kind_first():
     assert isinstance(wire.to_launcher(wire.Spawn(spec={}, spare=True)), wire.Spawn)
     kind, pids = wire.Spawned(pids=[3, 4])
     assert (kind, pids) == ("spawned", [3, 4])
-    assert wire.Imported(rank=1) == ("imported", 1)
+    kinds = [cls().kind for cls in message_classes() if issubclass(cls, tuple)]
+    assert len(kinds) == len(set(kinds)), f"two of the launcher's messages share a kind: {sorted(kinds)}"
+    assert not issubclass(wire.Imported, tuple), "a rank's note on its task socket has no kind (see Ready)"
+
+
+def test_a_launcher_answer_is_checked_against_what_was_asked():
+    from multiprocessing import Pipe
+
+    import pytest
+
+    from dpcourse.pool.errors import ClusterError
+    from dpcourse.pool.kernel.procs import LauncherProcess
+
+    ours, theirs = Pipe()
+    launcher = object.__new__(LauncherProcess)  # its channel only: no launcher process behind it
+    launcher.conn, launcher.exited, launcher.peaks, launcher.last_words = ours, {}, {}, {}
+    theirs.send(wire.Reaped(exits=[(5, 9, 0, "", "")]))  # recorded on the way, never an answer
+    theirs.send(wire.Swept(left=[]))
+    with pytest.raises(ClusterError, match=r"answered Kill with Swept\(.*\), where a Killed was due"):
+        launcher.request(wire.Kill(pids=[5]), wire.Killed, timeout=5)
+    assert launcher.exited == {5: 9} and theirs.recv() == wire.Kill(pids=[5])
+    theirs.send(wire.Swept(left=[]))
+    assert launcher.request(wire.Sweep(), wire.Swept, timeout=5) == wire.Swept(left=[])
+    with pytest.raises(ClusterError, match=r"did not answer Sweep within 0.1 s \(a Swept was due\)"):
+        launcher.request(wire.Sweep(), wire.Swept, timeout=0.1)
+    ours.close()
+    theirs.close()
 
 
 def test_replies_end_with_what_the_call_left():

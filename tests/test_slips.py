@@ -183,7 +183,7 @@ def test_28_7_one_unit_per_word_gb_is_10_to_the_9_and_ddp_buckets_are_mib():
 def _gathers_per_micro_batch(keep: bool):
     from torch.distributed.fsdp import fully_shard
 
-    from dpcourse.pool.ranks.tracker import TRACKER
+    from dpcourse.tracking.tracker import TRACKER
 
     model = dpc.models.build_model("mlp", seed=0)
     for block in model.blocks:

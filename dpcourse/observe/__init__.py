@@ -7,7 +7,7 @@
 
 | observer | what it sees | through |
 |---|---|---|
-| ``Comm`` | every collective and point-to-point call: bytes (logical and on the wire), group, time | the c10d operators (``dpcourse.pool.ranks.tracker``) |
+| ``Comm`` | every collective and point-to-point call: bytes (logical and on the wire), group, time | the c10d operators (``dpcourse.tracking``) |
 | ``Memory`` | bytes held by category, at rest and phase by phase over one step | ``MemTracker`` / ``FSDPMemTracker``, a walk of model and optimizer |
 | ``Timeline`` | compute spans per layer and communication spans per collective | global module and optimizer hooks, tensor hooks, futures |
 | ``Activations`` | bytes autograd saves for backward, and their peak | ``saved_tensors_hooks`` |

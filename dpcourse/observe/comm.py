@@ -3,7 +3,7 @@
 Every collective -- ``dist.all_reduce`` in the learner's code, DDP's C++ reducer, FSDP's
 all-gathers and reduce-scatters -- ends in a ``torch.ops.c10d`` operator, and every
 point-to-point call in ``dist.send``/``recv``/``isend``/``irecv``; the process's collective
-tracker (``dpcourse.pool.ranks.tracker``, the one the hang diagnosis uses) sees each with its
+tracker (``dpcourse.tracking``, the one the hang diagnosis uses) sees each with its
 tensors and its ``Work``. For each, ``Comm`` records the payload S as nccl-tests defines it
 (``payload.payload_bytes``: the all_gather output, the reduce_scatter input, a send's
 message) and what a bandwidth-optimal algorithm makes this rank send (``logical_sent``: S
@@ -26,8 +26,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..collectives.cost import bus_factor
-from ..pool.ranks.tracker import process_group
 from ..torch_private import flight_recorder_entries, tensor_version
+from ..tracking.tracker import process_group
 from .observer import Observer
 from .payload import first_tensor, issued_bytes
 from .watch import LoopWatch

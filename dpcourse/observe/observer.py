@@ -28,7 +28,7 @@ class Observer:
         ``watch.LoopWatch``: the call's shared clock), and, given ``listen``, call
         ``listen(issued)`` after every collective the rank issues (the collective tracker);
         ``unwatch`` undoes both. Returns ``watch``, entered."""
-        from ..pool.ranks.tracker import TRACKER
+        from ..tracking.tracker import TRACKER
 
         self._watching = contextlib.ExitStack()
         entered = self._watching.enter_context(watch)

@@ -49,7 +49,7 @@ def payload_bytes(collective: str, output, input=None) -> int:
 
 
 def issued_bytes(issued) -> int:
-    """S of one call the collective tracker saw (``pool.ranks.tracker.Issued``): a c10d operator's
+    """S of one call the collective tracker saw (``tracking.records.Issued``): a c10d operator's
     arguments are (output, input, ...), a point-to-point call's (tensor, peer, group)."""
     args = issued.args
     if not args:

@@ -17,7 +17,7 @@ Nothing in the training code changes; PyTorch's public hooks say what happens:
   spans from the optimizer step hooks; and ``wait``: from the end of backward compute to the
   optimizer step, the time ``backward()`` sat waiting for communication (in a plain loop).
 * **comm**, per collective: from the moment it was issued (the collective tracker,
-  ``dpcourse.pool.ranks.tracker``) to the moment its ``Work`` completed (its future's callback,
+  ``dpcourse.tracking``) to the moment its ``Work`` completed (its future's callback,
   which the backend runs when the operation is done, not when somebody waits for it); its
   ``nbytes`` is the payload S as ``Comm`` counts it (``payload.payload_bytes``: a
   reduce-scatter's input, an all-gather's output).

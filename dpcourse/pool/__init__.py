@@ -13,10 +13,11 @@ where          modules
                (``cluster.status()``), ``magic`` (``%%ranks``), ``procs`` (handles on the
                launcher and a generation)
 ``launcher``   the launcher process: forks or spawns the ranks, kills and reaps them
-``ranks/``     each rank: ``rank`` (the loop), ``group`` (the pool's process group), ``tracker``
-               (collectives, traffic, what the rank waits in), ``forwarder`` (fds 1 and 2 to the
-               kernel), ``isolation`` (a script's imports, the learner's threads), ``fresh`` (a
-               script's process state: folder, settings, random streams, logging, its end)
+``ranks/``     each rank: ``rank`` (the loop), ``group`` (the pool's process group), ``forwarder``
+               (fds 1 and 2 to the kernel), ``isolation`` (a script's imports, the learner's
+               threads), ``fresh`` (a script's process state: folder, settings, random streams,
+               logging, its end); a rank records its collectives, traffic and waits with
+               ``dpcourse.tracking``'s tracker, whose records the messages carry
 top level      every process: ``wire`` (every message, one class each, and how they are
                pickled), ``errors``, ``reaper`` (what the ranks' scripts leave running)
 =============  ==================================================================================

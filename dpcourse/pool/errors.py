@@ -1,19 +1,12 @@
 """Exceptions the pool raises in the kernel, and the per-rank facts they carry.
 
-Read in every process of the pool (``wire`` names ``SerializationError``; the ranks word
-their collectives with ``ordinal``), so it imports nothing else of the pool's; ``wait_hint``
-is the advice a hang ends with.
+Read in every process of the pool (``wire`` names ``SerializationError``), so it imports
+nothing else of the pool's; ``wait_hint`` is the advice a hang ends with.
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-
-
-def ordinal(n: int) -> str:
-    """1 -> '1st', 2 -> '2nd', 11 -> '11th', 23 -> '23rd' (the 3rd all_reduce of this call)."""
-    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
-    return f"{n}{suffix}"
 
 
 def wait_hint(kinds: set[str]) -> str:

@@ -289,21 +289,25 @@ class Launcher:
     def handle(self, msg) -> bool:
         """Serve one request of the kernel (see ``wire``: ``Spawn``, ``Activate``, ``Signal``,
         ``Kill``, ``Sweep``); False for ``Exit``."""
-        request = wire.to_launcher(msg)
-        if isinstance(request, wire.Spawn):
-            self._spawn(request.spec, request.spare)
-        elif isinstance(request, wire.Activate):
-            self._activate(request.pids, request.spec)
-        elif isinstance(request, wire.Signal):
-            for pid in request.pids:
-                if pid in self.children:
-                    os.kill(pid, request.signum)
-        elif isinstance(request, wire.Kill):
-            exits, left = self.kill(request.pids)
-            self.conn.send(wire.Killed(exits=exits, left=left))
-        elif isinstance(request, wire.Sweep):
-            self.conn.send(wire.Swept(left=self.sweep()))
-        return not isinstance(request, wire.Exit)
+        match wire.to_launcher(msg):
+            case wire.Spawn(spec=spec, spare=spare):
+                self._spawn(spec, spare)
+            case wire.Activate(pids=pids, spec=spec):
+                self._activate(pids, spec)
+            case wire.Signal(signum=signum, pids=pids):
+                for pid in pids:
+                    if pid in self.children:
+                        os.kill(pid, signum)
+            case wire.Kill(pids=pids):
+                exits, left = self.kill(pids)
+                self.conn.send(wire.Killed(exits=exits, left=left))
+            case wire.Sweep():
+                self.conn.send(wire.Swept(left=self.sweep()))
+            case wire.Exit():
+                return False
+            case request:  # to_launcher types only the requests above: the kernel and wire disagree
+                raise TypeError(f"the launcher has no handler for {request!r}")
+        return True
 
     def _spawn(self, spec: dict, spare: bool) -> None:
         """Start a generation of ranks on the sockets that follow the request; answer ``Spawned``."""
@@ -361,7 +365,7 @@ class Launcher:
                 ready = wait(watched, timeout)
                 exited = self.reap()
                 if exited:
-                    self.conn.send(wire.Exits(exits=exited))
+                    self.conn.send(wire.Reaped(exits=exited))
                 for conn in ready:
                     if conn in importing and importing[conn] in self.spares:
                         self._read_spare(importing[conn])

@@ -2,7 +2,7 @@
 
 The messages in the order they go, kernel K, launcher L, rank R (task socket unless said):
 
-    K -> L  Spawn (the ranks' sockets follow)         L -> K  Spawned; Exits whenever ranks end
+    K -> L  Spawn (the ranks' sockets follow)         L -> K  Spawned; Reaped whenever ranks end
     L -> R  ImportNow, Spec (spawned spares only)     R -> L  SpareImported
     R -> K  Imported (spawned only), then Ready or InitError
     K -> R  Task: RunFunction, RunCell, RunScript or Reinit, pickled in its body
@@ -27,6 +27,7 @@ from typing import NamedTuple
 import cloudpickle
 
 from ..torch_private import cloudpickle_code_reduce
+from ..tracking.records import Traffic, Wait   # the rank's records that Waiting and After carry
 from .errors import SerializationError
 
 # --------------------------------------------------------------- the messages
@@ -113,46 +114,13 @@ class InitError:
     text: str
 
 
-class Imported(NamedTuple):
+@dataclass(frozen=True)
+class Imported:
     """rank -> kernel, task socket, spawned ranks only, before ``Ready``: torch is imported (a
-    spare is warm: a restart onto it waits for no import). A named tuple whose first item is
-    its kind, as the launcher's messages."""
+    spare is warm: a restart onto it waits for no import). What the spare tells the launcher
+    at the same moment is another message, ``SpareImported``."""
 
-    kind: str = "imported"
-    rank: int = -1
-
-
-@dataclass(frozen=True)
-class Group:
-    """A process group as the tracker names it in traffic and waits: its ``ranks`` (global),
-    ``default``: whether it is the default group (``dist.group.WORLD``), and ``name``: its
-    ``group_name``, so that a subgroup of the same ranks as the default group is another group."""
-
-    ranks: tuple
-    default: bool
-    name: str
-
-    def describe(self) -> str:
-        """'the default group' or 'the group of ranks [0, 1]'."""
-        return "the default group" if self.default else f"the group of ranks {list(self.ranks)}"
-
-
-@dataclass(frozen=True)
-class Wait:
-    """What a rank's main thread is blocked in, as the tracker recorded it (never inferred):
-    inside a blocking ``send``/``recv`` or collective, or in ``wait()`` on the ``Work`` of one it
-    issued. ``kind``: "collective", "send" or "recv"; ``name``: its ``torch.distributed`` name
-    ("all_reduce", "irecv"); ``number``: the n-th call of that name in this call; ``group``: a
-    ``Group``; ``peer``: the other rank of a send or recv (global; None: a receive from any rank);
-    ``seq``: its place in this call among the collectives on ``group`` (a collective), the sends
-    to ``peer`` there (a send) or the receives from ``peer`` there (a receive), from 1."""
-
-    kind: str
-    name: str
-    number: int
-    group: Group
-    peer: int | None
-    seq: int
+    rank: int
 
 
 @dataclass(frozen=True)
@@ -160,7 +128,7 @@ class After:
     """What every reply ends with: the state a call left behind on the rank.
 
     ``intact``: whether the pool's default process group still exists (rank code may destroy
-    it). ``traffic``: the call's messages and collectives (``CollectiveTracker.traffic()``;
+    it). ``traffic``: the call's messages and collectives (a ``tracking.records.Traffic``;
     None if this torch cannot say), from which the kernel finds what is still in flight.
     ``left``: (pid, name) of the processes a script left running, which the rank stopped.
     ``threads``: names of the learner's threads still running on the rank (they may still
@@ -168,7 +136,7 @@ class After:
     """
 
     intact: bool
-    traffic: dict | None
+    traffic: Traffic | None
     left: list
     threads: tuple = ()
 
@@ -245,15 +213,15 @@ class Status:
 @dataclass(frozen=True)
 class Waiting:
     """rank -> kernel, control socket: the answer to ``AskWait`` (see ``deadlock``). ``wait``: the
-    communication the main thread is blocked in (a ``Wait``), None when the rank's state decides
-    nothing, and then ``why`` says so in a few words ("computing or waiting elsewhere", "runs
-    threads of its own: ..."); ``traffic``: the call's traffic so far, every group it used
-    counted (also one a script destroyed)."""
+    communication the main thread is blocked in (a ``tracking.records.Wait``), None when the
+    rank's state decides nothing, and then ``why`` says so in a few words ("computing or waiting
+    elsewhere", "runs threads of its own: ..."); ``traffic``: the call's traffic so far (a
+    ``tracking.records.Traffic``), every group it used counted (also one a script destroyed)."""
 
     running: bool
     wait: Wait | None
     why: str
-    traffic: dict
+    traffic: Traffic
 
 
 @dataclass(frozen=True)
@@ -330,16 +298,17 @@ class Spawned(NamedTuple):
     pids: list = ()
 
 
-class Exits(NamedTuple):
-    """launcher -> kernel, whenever ranks end: (pid, wait status, peak resident bytes, stdout, stderr)
-    of each, the last two what it wrote that its output thread had not sent before it died."""
+class Reaped(NamedTuple):
+    """launcher -> kernel, unasked, whenever it has reaped ranks that ended: ``exits`` holds
+    (pid, wait status, peak resident bytes, stdout, stderr) of each, the last two what it wrote
+    that its output thread had not sent before it died. Not a reply (``Exited`` is a rank's)."""
 
-    kind: str = "exited"
+    kind: str = "reaped"
     exits: list = ()
 
 
 class Killed(NamedTuple):
-    """launcher -> kernel: the answer to ``Kill``: ``exits`` as in ``Exits``, and ``left``:
+    """launcher -> kernel: the answer to ``Kill``: ``exits`` as in ``Reaped``, and ``left``:
     (pid, the rank's pid or process group, name) of what the ranks had started, now stopped."""
 
     kind: str = "killed"
@@ -369,9 +338,10 @@ class Spec(NamedTuple):
 
 
 class SpareImported(NamedTuple):
-    """spawned spare -> launcher: torch is imported (the next spare may start importing)."""
+    """spawned spare -> launcher: torch is imported (the next spare may start importing). The
+    kernel hears the same from the rank as ``Imported``, on the rank's task socket."""
 
-    kind: str = "imported"
+    kind: str = "spare_imported"
 
 
 _TO_LAUNCHER = {cls().kind: cls for cls in (Spawn, Activate, Signal, Kill, Sweep, Exit)}

@@ -4,8 +4,8 @@ The same function runs under ``torchrun`` (``python -m dpcourse.train``) and on 
 notebook's ranks (``cluster.run(dpc.train.train, cfg)``); it needs no cluster. ``main`` arms
 a death signal (``dpcourse.processes``) so a torchrun worker dies with its agent, and leaves
 the process group the one way the package does (``processes.leave_process_group``);
-``--measure``'s observers listen to the collective tracker (``pool.ranks.tracker``), which runs in
-any process.
+``--measure``'s observers listen to the collective tracker (``dpcourse.tracking``), which runs
+in any process.
 
 What a correct DDP/FSDP script does, it does visibly: a ``DistributedSampler`` with
 ``set_epoch``, identical initial weights, logging and saving on rank 0 only, checkpoints

@@ -35,7 +35,7 @@ def rank_text_color(rank: int) -> str:
 
 
 # A Timeline's bars by kind: compute in blues and a grey, waiting in red, and every collective
-# ``pool.ranks.tracker.C10D_OPS`` names in a hue of its own, none of them grey (a broadcast drawn
+# ``tracking.tracker.C10D_OPS`` names in a hue of its own, none of them grey (a broadcast drawn
 # in the optimizer's grey read as optimizer time).
 KIND_COLORS = {"forward": "#9ecae1", "backward": "#3182bd", "optimizer": "#969696", "wait": "#de2d26",
                "all_reduce": "#fd8d3c", "all_gather": "#31a354", "reduce_scatter": "#756bb1",

@@ -5,16 +5,22 @@ ranks are pending, their results and reports) and returns an ``Outcome``: the re
 error to raise, and what the call changed for the cluster (process groups lost, traffic
 still in flight, whether the ranks must be replaced). ``Cluster`` applies it, so the
 cluster's own state is changed in one place, and a call is read without the cluster's code.
+
+What the replies mean is decided by pure functions of plain data, which a table tests
+without a process: ``replied`` (one rank's reply: its report and result), ``failure`` (which
+error a failed call raises, and whether the ranks must go) and ``ending`` (that error, worded
+from every rank's report). ``Call`` gathers the data and applies what they decide.
 """
 from __future__ import annotations
 
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from . import deadlock
 from .. import wire
-from ..errors import RankDeadlock, RankDied, RankError, RankReport, RankTimeout, interrupted, wait_hint
+from ..errors import ClusterError, RankDeadlock, RankDied, RankError, RankReport, RankTimeout
+from ..errors import interrupted, wait_hint
 from .link import RankLink
 from .procs import Generation, readable
 from ..reaper import describe
@@ -38,6 +44,77 @@ class Outcome:
     restart: bool = False          # the ranks must be killed and replaced before the next call
     notes: list = field(default_factory=list)     # lines for stderr, once the ranks' output is out
     error: BaseException | None = None  # raised in the kernel once the rest is applied
+
+
+@dataclass(frozen=True)
+class Replied:
+    """What one rank's reply says: its ``report``, and -- where it returned (a function's value,
+    a script's exit code) -- its ``value`` and its observers' results, ``observed``."""
+
+    report: RankReport
+    returned: bool = False
+    value: object = None
+    observed: list | None = None
+
+
+def replied(rank: int, reply: wire.Reply) -> Replied:
+    """How rank ``rank``'s reply to a call reads (a pure function of the reply)."""
+    match reply:
+        case wire.Finished(value=value, observed=observed):
+            return Replied(RankReport(rank, "finished", "finished"), True, value, observed)
+        case wire.Exited(code=code, observed=observed):
+            return Replied(RankReport(rank, "exited", f"exited with code {code}"), True, code, observed)
+        case wire.Raised(summary=summary, traceback=traceback, exception=exception):
+            return Replied(RankReport(rank, "raised", "raised " + summary, traceback, exception))
+        case _:  # wire.Interrupted: the stop button's SIGINT reached the call
+            return Replied(RankReport(rank, "interrupted", "was interrupted"))
+
+
+def failure(reports: dict[int, RankReport], pending: set[int], timed_out: bool = False
+            ) -> tuple[type[ClusterError] | None, bool]:
+    """Which error a call raises from the ``reports`` of the ranks that replied (or died), with
+    ``pending`` ranks still inside it, and whether the ranks must be restarted whatever the call
+    left in flight: ``RankTimeout`` after the timeout; None while every report says "finished"
+    (no rank failed); ``RankDied`` when a rank died (restarted); else ``RankError`` (restarted
+    while a rank is still inside the call: it is stopped, as torchrun stops the others)."""
+    if timed_out:
+        return RankTimeout, bool(pending)
+    if all(r.state == "finished" for r in reports.values()):
+        return None, False
+    died = any(r.state == "died" for r in reports.values())
+    return (RankDied if died else RankError), bool(pending) or died
+
+
+@dataclass(frozen=True)
+class Ending:
+    """How a failed call ends: the ``error`` it raises, whether the ranks are ``restart``ed, and
+    every rank's report as the error tells it."""
+
+    error: ClusterError
+    restart: bool
+    reports: dict
+
+
+def ending(error: type[ClusterError], reports: dict[int, RankReport], restarted: bool, left: list[str],
+           first_failed: int | None = None, timeout: float | None = None, undecided: str = "") -> Ending:
+    """The error of a failed call (a pure function): ``error`` (from ``failure``), every rank's
+    report (a rank still inside: "running", where it waits), ``restarted`` (``failure``'s say),
+    ``left``: what the call left in flight (the ranks go too); ``first_failed``: the rank whose
+    failure came first; ``timeout`` and ``undecided`` (why no deadlock was found) for a timeout.
+    A rank still running is said to have been stopped, as it is."""
+    restart = restarted or bool(left)
+    ordered = [reports[r] for r in sorted(reports)]
+    if error is RankTimeout:
+        return Ending(RankTimeout(ordered, timeout, undecided), restart, dict(reports))
+    ordered = [_stopped(r) if r.state == "running" else r for r in ordered]
+    return Ending(error(ordered, restart, left, first_failed), restart, {r.rank: r for r in ordered})
+
+
+def _stopped(report: RankReport) -> RankReport:
+    """A rank still inside a failed call, as the error tells it: stopped while it waited, or ran."""
+    waiting = report.summary.startswith("waiting")
+    return replace(report, summary=f"was stopped while {report.summary}" if waiting else "was stopped while running",
+                   traceback="")
 
 
 class Call:
@@ -93,7 +170,7 @@ class Call:
                 if not self.pending <= set(self.ended) or now - self.first_failure > REJOIN_S:
                     break  # a rank is still inside the call: stopped, as torchrun stops the others
             if self.timeout is not None and now - start > self.timeout:
-                return self._fail(RankTimeout)
+                return self._fail(timed_out=True)
             if self.first_failure is None and self.find_deadlocks:
                 self._judge()
                 if self.outcome.error is not None:  # a certain deadlock
@@ -103,8 +180,7 @@ class Call:
                     next_probe = now + deadlock.PROBE_S
             self._receive(0.05 if self.first_failure else 0.1)
         if self.first_failure is not None:
-            died = any(r.state == "died" for r in self.reports.values())
-            return self._fail(RankDied if died else RankError)
+            return self._fail()
         left = self._left_in_flight()
         if left:  # the call went well; what it left may be meant for the next call (or not)
             self.outcome.notes.append(
@@ -200,15 +276,10 @@ class Call:
         self._note_after(rank, reply.after)
         if not reply.after.intact and not rejoining:  # the pool's process group was destroyed
             self.outcome.group_lost.add(rank)
-        if isinstance(reply, wire.Finished):
-            self.outcome.results[rank], self.outcome.observed[rank] = reply.value, reply.observed
-            return RankReport(rank, "finished", "finished")
-        if isinstance(reply, wire.Exited):
-            self.outcome.results[rank], self.outcome.observed[rank] = reply.code, reply.observed
-            return RankReport(rank, "exited", f"exited with code {reply.code}")
-        if isinstance(reply, wire.Raised):
-            return RankReport(rank, "raised", "raised " + reply.summary, reply.traceback, reply.exception)
-        return RankReport(rank, "interrupted", "was interrupted")
+        said = replied(rank, reply)
+        if said.returned:
+            self.outcome.results[rank], self.outcome.observed[rank] = said.value, said.observed
+        return said.report
 
     def _note_after(self, rank: int, after: wire.After) -> None:
         """Keep what a reply says the call left behind: its traffic, a script's processes."""
@@ -233,23 +304,19 @@ class Call:
             found.setdefault(rank, RankReport(rank, "running", "did not answer (blocked outside Python?)"))
         return found
 
-    def _fail(self, error) -> None:
-        restarted = bool(self.pending) or error is RankDied
+    def _fail(self, timed_out: bool = False) -> None:
+        """End a failed call (see ``failure`` and ``ending``): ask the ranks still inside it where
+        they are, and note the error and whether the ranks must go."""
+        error, restarted = failure(self.reports, self.pending, timed_out)
         left = [] if restarted else self._left_in_flight()
         if self.pending:
-            self.reports.update(self._stuck_reports(1.0 if error is RankTimeout else 0.3))
+            self.reports.update(self._stuck_reports(1.0 if timed_out else 0.3))
         self.link.printer.flush()
-        self.outcome.restart = restarted or bool(left)
-        ordered = [self.reports[r] for r in sorted(self.reports)]
-        if error is RankTimeout:
-            self.outcome.error = RankTimeout(ordered, self.timeout, self._undecided())
-            return
-        for r in ordered:
-            if r.state == "running":
-                r.summary = f"was stopped while {r.summary}" if r.summary.startswith("waiting") else \
-                    "was stopped while running"
-                r.traceback = ""
-        self.outcome.error = error(ordered, restarted or bool(left), left, self.first_failed)
+        undecided = self._undecided() if timed_out else ""
+        error = error or RankError  # a rank's report said it failed (first_failure), then it finished
+        end = ending(error, self.reports, restarted, left, self.first_failed, self.timeout, undecided)
+        self.reports.update(end.reports)
+        self.outcome.restart, self.outcome.error = end.restart, end.error
 
     def _undecided(self) -> str:
         """For a timeout: why the deadlock finder decided nothing, each rank's reason in its words."""

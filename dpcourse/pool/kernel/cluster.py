@@ -355,17 +355,20 @@ class Cluster:
         deadline = time.monotonic() + self._start_timeout
         while waiting and time.monotonic() < deadline:
             for rank, msg in self._link.poll(gen, waiting, 0.1):
-                if isinstance(msg, wire.Imported):  # a spawned rank, on its way
-                    continue
+                match msg:
+                    case wire.Imported():  # a spawned rank, on its way
+                        continue
+                    case None:
+                        errors[rank] = f"rank {rank} {self._link.exit_text(gen, rank)} while starting"
+                    case wire.InitError(text=text):
+                        errors[rank] = f"rank {rank} failed to start:\n{text}"
+                    case wire.Ready(oom_first=oom_first):
+                        self._link.oom_first = self._link.oom_first and oom_first
+                        if self._progress is not None:
+                            self._progress.rank_ready(rank)
+                    case other:  # the rank and the kernel disagree on how a rank starts
+                        errors[rank] = f"rank {rank} said {other!r} while starting, not Ready or InitError"
                 waiting.discard(rank)
-                if msg is None:
-                    errors[rank] = f"rank {rank} {self._link.exit_text(gen, rank)} while starting"
-                elif isinstance(msg, wire.InitError):
-                    errors[rank] = f"rank {rank} failed to start:\n{msg.text}"
-                else:  # wire.Ready
-                    self._link.oom_first = self._link.oom_first and msg.oom_first
-                    if self._progress is not None:
-                        self._progress.rank_ready(rank)
         self._printer.flush()
         if waiting or errors:
             self._launcher.kill(gen)

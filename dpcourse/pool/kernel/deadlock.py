@@ -2,10 +2,11 @@
 
 Runs in the kernel, which knows more than torchrun: which ranks have *returned* from the call
 (they will issue nothing more in it, and the next call cannot start before this one ends),
-what each rank has sent, received and issued since the ranks started (the tracker's traffic,
-see ``tracker`` and ``traffic``), and -- asked every half second while a call runs -- the
-operation each running rank's main thread is blocked in, as the tracker recorded it
-(``wire.Wait``: inside a blocking call, or in ``wait()`` on that operation's own ``Work``).
+what each rank has sent, received and issued since the ranks started (the tracker's
+``Traffic``, see ``dpcourse.tracking`` and ``traffic``), and -- asked every half second while
+a call runs -- the operation each running rank's main thread is blocked in, as the tracker
+recorded it (a ``Wait``: inside a blocking call, or in ``wait()`` on that operation's own
+``Work``).
 
 ``verdict`` is a pure function of those records. A blocked operation can never complete when
 
@@ -30,8 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import ordinal
-from ..wire import Wait
+from ...tracking.records import NO_TRAFFIC, Peer, Traffic, Wait, ordinal
 from .traffic import add_traffic
 
 PROBE_S = 0.5  # how often the kernel asks running ranks what they wait in
@@ -48,8 +48,9 @@ class Verdict:
     kinds: frozenset
 
 
-def _count(traffic: dict | None, kind: str, key) -> int:
-    return (traffic or {}).get(kind, {}).get(key, 0)
+def _of(table: dict[int, Traffic], rank: int) -> Traffic:
+    """A rank's traffic in ``table`` (none yet: ``NO_TRAFFIC``)."""
+    return table.get(rank) or NO_TRAFFIC
 
 
 def what(wait: Wait) -> str:
@@ -62,8 +63,8 @@ def what(wait: Wait) -> str:
     return nth
 
 
-def verdict(waits: dict[int, Wait | None], returned: set[int], carried: dict[int, dict],
-            this_call: dict[int, dict]) -> Verdict | None:
+def verdict(waits: dict[int, Wait | None], returned: set[int], carried: dict[int, Traffic],
+            this_call: dict[int, Traffic]) -> Verdict | None:
     """A ``Verdict`` when some rank can never finish the call, else None.
 
     ``waits``: every rank still in the call, with what it is blocked in (None: nothing certain,
@@ -86,12 +87,13 @@ def verdict(waits: dict[int, Wait | None], returned: set[int], carried: dict[int
     return _describe(deps, mismatched, waits, returned)
 
 
-def _position(r: int, w: Wait, carried: dict[int, dict]) -> int:
+def _position(r: int, w: Wait, carried: dict[int, Traffic]) -> int:
     """The waited operation's place since the ranks started, among its kind on its group (and peer)."""
+    before = _of(carried, r)
     if w.kind == "collective":
-        return _count(carried.get(r), "collectives", w.group) + w.seq
-    table = "received" if w.kind == "recv" else "sent"
-    return _count(carried.get(r), table, (w.group, w.peer)) + w.seq
+        return before.collectives.get(w.group, 0) + w.seq
+    table = before.received if w.kind == "recv" else before.sent
+    return table.get(Peer(w.group, w.peer), 0) + w.seq
 
 
 def _needs(r: int, w: Wait, waits: dict, carried: dict, total: dict) -> set[int] | None:
@@ -99,13 +101,14 @@ def _needs(r: int, w: Wait, waits: dict, carried: dict, total: dict) -> set[int]
     a receive from any rank, is not decided here)."""
     g, j = w.group, _position(r, w, carried)
     if w.kind == "recv":
-        if w.peer is None or _count(total.get(w.peer), "sent", (g, r)) >= j:
+        if w.peer is None or _of(total, w.peer).sent.get(Peer(g, r), 0) >= j:
             return None  # from any rank, or a message is there for it
         return {w.peer}
     if w.kind == "send":
-        posted = _count(total.get(w.peer), "received", (g, r)) + _count(total.get(w.peer), "received", (g, None))
+        received = _of(total, w.peer).received
+        posted = received.get(Peer(g, r), 0) + received.get(Peer(g, None), 0)
         return None if posted >= j else {w.peer}
-    behind = {m for m in g.ranks if m != r and _count(total.get(m), "collectives", g) < j}
+    behind = {m for m in g.ranks if m != r and _of(total, m).collectives.get(g, 0) < j}
     return behind or None
 
 

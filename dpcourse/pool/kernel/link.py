@@ -11,6 +11,7 @@ import os
 import time
 
 from .. import wire
+from ..errors import ClusterError
 from .printer import RankPrinter
 from ...processes import describe_exit
 from .procs import Generation, LauncherProcess, MemoryWatch, readable
@@ -51,15 +52,18 @@ class RankLink:
         conn, status = gen.control[rank], None
         try:
             while conn.poll(0):
-                msg = conn.recv()
-                if isinstance(msg, wire.Output):
-                    self.printer.feed(rank, msg.stream, msg.text)
-                elif isinstance(msg, wire.Status):
-                    status = msg
-                elif isinstance(msg, wire.Waiting):  # an answer to the deadlock check's probe
-                    self.waits[rank] = msg
-                elif isinstance(msg, wire.ScriptEnded):  # the rank now joins the pool's group again
-                    self.ended[rank] = msg.reply
+                match conn.recv():
+                    case wire.Output(stream=stream, text=text):
+                        self.printer.feed(rank, stream, text)
+                    case wire.Status() as answer:
+                        status = answer
+                    case wire.Waiting() as answer:  # an answer to the deadlock check's probe
+                        self.waits[rank] = answer
+                    case wire.ScriptEnded(reply=reply):  # the rank now joins the pool's group again
+                        self.ended[rank] = reply
+                    case other:  # the rank and the kernel disagree on the control channel
+                        raise ClusterError(f"rank {rank} sent {other!r} on its control socket, which "
+                                           "carries Output, Status, Waiting and ScriptEnded only")
         except (EOFError, OSError):
             pass
         return status

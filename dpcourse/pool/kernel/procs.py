@@ -36,14 +36,19 @@ class Generation:
     imported: set = None  # spawned spares: the ranks that have imported torch
 
     def warm(self) -> bool:
-        """Spawned spares: every rank has imported torch (reads their "imported" notes)."""
+        """Spawned spares: every rank has imported torch (reads their ``wire.Imported`` notes,
+        the only thing a spare says on its task socket before it is activated)."""
         if self.imported is None:
             self.imported = set()
         for rank, conn in enumerate(self.task):
             try:
                 while rank not in self.imported and conn.poll(0):
-                    if isinstance(conn.recv(), wire.Imported):
-                        self.imported.add(rank)
+                    match conn.recv():
+                        case wire.Imported():
+                            self.imported.add(rank)
+                        case other:
+                            raise ClusterError(f"spare rank {rank} said {other!r} before it was "
+                                               "activated; a spare says only Imported then")
             except (EOFError, OSError):
                 return False
         return len(self.imported) == len(self.task)
@@ -77,13 +82,10 @@ class LauncherProcess:
         self.peaks: dict[int, int] = {}   # pid -> peak resident bytes (the kernel's ru_maxrss)
         self.last_words: dict[int, tuple[str, str]] = {}  # pid -> what it wrote, unsent, as it died
         try:
-            msg = self.recv(start_timeout)
+            self.reply(wire.LauncherReady, start_timeout, "its start")
         except ClusterError:
             self.close()
             raise
-        if not isinstance(msg, wire.LauncherReady):
-            self.close()
-            raise ClusterError(f"unexpected reply from the launcher: {msg!r}")
 
     @property
     def pid(self) -> int:
@@ -99,19 +101,34 @@ class LauncherProcess:
         except OSError as err:
             raise ClusterError(f"the launcher process is gone ({err}); create a new Cluster") from err
 
-    def recv(self, timeout: float | None):
-        """Next reply that is not an exit report; exit reports are recorded on the way."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+    def request(self, msg, expect: type, timeout: float = 30.0, fds: list[int] = ()):
+        """Send the request ``msg`` (then ``fds``, by SCM_RIGHTS, where it needs them) and return
+        the launcher's answer, which must be an ``expect``: an answer of another type, or none
+        within ``timeout`` seconds, raises ``ClusterError`` naming what was asked and what came."""
+        self.send(msg)
+        if fds:
+            socket.send_fds(self.sock, [b"F"], fds)
+        return self.reply(expect, timeout, type(msg).__name__)
+
+    def reply(self, expect: type, timeout: float, asked: str):
+        """The launcher's next message but exit reports, checked to be an ``expect`` (the answer
+        to ``asked``; exit reports are recorded on the way)."""
+        deadline = time.monotonic() + timeout
         while True:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not self.conn.poll(left):
-                raise ClusterError(f"the launcher did not answer within {timeout:g} s")
+            if not self.conn.poll(max(0.0, deadline - time.monotonic())):
+                raise ClusterError(f"the launcher did not answer {asked} within {timeout:g} s "
+                                   f"(a {expect.__name__} was due)")
             msg = self.poll_one()
-            if msg is not None:
-                return msg
+            if msg is None:
+                continue
+            if not isinstance(msg, expect):
+                raise ClusterError(f"the launcher answered {asked} with {msg!r}, "
+                                   f"where a {expect.__name__} was due")
+            return msg
 
     def poll_one(self):
-        """Read one message; record and swallow exit reports (returns None for them)."""
+        """Read one message; record and swallow exit reports (returns None for them), return
+        anything else: an answer, which ``reply`` checks."""
         try:
             msg = self.conn.recv()
         except (EOFError, OSError) as err:
@@ -119,10 +136,12 @@ class LauncherProcess:
             raise ClusterError(
                 f"the launcher process ended ({describe_exit(None) if code is None else code}); "
                 f"create a new Cluster. Its last words:\n{self.stderr_text()}") from err
-        if isinstance(msg, wire.Exits):
-            self._note_exits(msg.exits)
-            return None
-        return msg
+        match msg:
+            case wire.Reaped(exits=exits):
+                self._note_exits(exits)
+                return None
+            case _:  # an answer to a request: the requester checks it (see reply)
+                return msg
 
     def _note_exits(self, exits) -> None:
         for pid, status, peak, out, err in exits:
@@ -136,11 +155,12 @@ class LauncherProcess:
         restart -- it imports torch at low priority, after every older generation has."""
         n = spec["world_size"]
         pairs = [socket.socketpair() for _ in range(2 * n)]
-        self.send(wire.Spawn(spec=spec, spare=spare))
-        socket.send_fds(self.sock, [b"F"], [p[1].fileno() for p in pairs])
-        for _, theirs in pairs:
-            theirs.close()
-        pids = self.recv(30).pids  # wire.Spawned
+        try:
+            pids = self.request(wire.Spawn(spec=spec, spare=spare), wire.Spawned,
+                                fds=[p[1].fileno() for p in pairs]).pids
+        finally:
+            for _, theirs in pairs:
+                theirs.close()
         mine = [Connection(p[0].detach()) for p in pairs]
         return Generation(number, pids, mine[0::2], mine[1::2])
 
@@ -164,8 +184,7 @@ class LauncherProcess:
     def kill(self, gen: Generation) -> None:
         """SIGKILL and reap a generation's ranks (the launcher is their parent), and stop what
         they started that still runs (see ``reaper``); say so if they had left anything."""
-        self.send(wire.Kill(pids=gen.pids))
-        killed = self.recv(30)  # wire.Killed
+        killed = self.request(wire.Kill(pids=gen.pids), wire.Killed)
         self._note_exits(killed.exits)
         left = killed.left
         gen.close()
@@ -176,8 +195,7 @@ class LauncherProcess:
     def sweep(self, gen: Generation, what: str = "script") -> None:
         """After a script: stop what its ranks started and left behind in a session of its own
         (the ranks stop the rest themselves); say so."""
-        self.send(wire.Sweep())
-        left = self.recv(30).left  # wire.Swept
+        left = self.request(wire.Sweep(), wire.Swept).left
         if left:
             print(f"dpcourse: {describe(_whose(left, gen, 'the ' + what), [(p, n) for p, _, n in left])}.",
                   file=sys.stderr)

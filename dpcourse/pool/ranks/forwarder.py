@@ -6,6 +6,7 @@ Runs on the ranks.
 from __future__ import annotations
 
 import codecs
+import contextlib
 import fcntl
 import io
 import os
@@ -16,7 +17,14 @@ import termios
 import threading
 import time
 
+from ...patching import patched
 from ..wire import Output
+
+
+def _unbuffered(fd: int) -> io.TextIOWrapper:
+    """A text stream that writes through to ``fd`` at once (never closing it)."""
+    return io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding="utf-8",
+                            errors="backslashreplace", write_through=True)
 
 
 class OutputForwarder:
@@ -41,10 +49,9 @@ class OutputForwarder:
                 r = read_fds[i]
             self._fds[r] = (stream, codecs.getincrementaldecoder("utf-8")("replace"))
         # Unbuffered text streams: a print() or a "\r" progress update reaches the pipe at once.
-        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8",
-                                      errors="backslashreplace", write_through=True)
-        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8",
-                                      errors="backslashreplace", write_through=True)
+        # They stay for the rank's life; ``_streams.close()`` would put the old ones back.
+        self._streams = contextlib.ExitStack()
+        self._streams.enter_context(patched(sys, stdout=_unbuffered(1), stderr=_unbuffered(2)))
         threading.Thread(target=self._pump, name="dpcourse-output", daemon=True).start()
 
     def _pump(self):

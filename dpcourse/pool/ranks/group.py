@@ -28,6 +28,7 @@ import os
 import sys
 
 from ...backends import uses_cuda
+from ...patching import patched
 from ...torch_private import process_groups
 
 # The process group's own timeout. The pool enforces the learner's timeout itself and
@@ -95,13 +96,9 @@ class PoolGroup:
         for guard, fn in ((init_process_group, original), (destroy_process_group, original_destroy)):
             guard.__doc__, guard.__wrapped__ = fn.__doc__, fn
             guard._dpcourse_guard = True
-        c10d.init_process_group = dist.init_process_group = init_process_group
-        c10d.destroy_process_group = dist.destroy_process_group = destroy_process_group
-        try:
+        guards = {"init_process_group": init_process_group, "destroy_process_group": destroy_process_group}
+        with patched(c10d, **guards), patched(dist, **guards):  # both names a learner may call
             yield
-        finally:
-            c10d.init_process_group = dist.init_process_group = original
-            c10d.destroy_process_group = dist.destroy_process_group = original_destroy
 
     def release(self) -> None:
         """Free the groups destroyed since the last release (see the module's docstring)."""
@@ -125,18 +122,17 @@ class PoolGroup:
 
         if dist.is_initialized():
             dist.destroy_process_group()
-        saved_env, saved_argv = dict(os.environ), sys.argv
+        saved_env = dict(os.environ)
         if env is not None:
             os.environ.clear()
             os.environ.update(env)
         os.environ.update(torchrun_env(self.rank, self.world_size, port))
-        sys.argv = [path, *argv]
         self.scripts_running += 1
         try:
-            yield
+            with patched(sys, argv=[path, *argv]):
+                yield
         finally:
             self.scripts_running -= 1
-            sys.argv = saved_argv
             os.environ.clear()
             os.environ.update(saved_env)
             if dist.is_initialized():  # the script did not destroy its group

@@ -16,9 +16,10 @@ and two projects' ``utils.py`` would collide. So, for the length of one script r
 The installation's modules (the standard library, site-packages: torch, numpy, ...) and this
 package's stay loaded: importing them again would cost seconds and change nothing.
 
-The same line between the learner's code and everything else tells which threads of a rank are
-the learner's (``learner_threads``): a thread that runs the learner's code may still send or
-receive, so a rank that runs one decides no deadlock.
+The same line between the learner's code and everything else (``tracking.learners``, which the
+collective tracker draws too) tells which threads of a rank are the learner's
+(``learner_threads``): a thread that runs the learner's code may still send or receive, so a
+rank that runs one decides no deadlock.
 """
 from __future__ import annotations
 
@@ -27,48 +28,10 @@ import importlib
 import linecache
 import os
 import sys
-import sysconfig
 import threading
 
 from ...torch_private import thread_target
-
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-
-
-def _installation_roots() -> tuple[str, ...]:
-    roots = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
-    roots.update(p for p in sysconfig.get_paths().values() if p)
-    try:
-        import site
-
-        roots.update(site.getsitepackages())
-        roots.add(site.getusersitepackages())
-    except Exception:  # noqa: BLE001 -- a stripped-down site module: the prefixes suffice
-        pass
-    found = {os.path.join(os.path.realpath(r), "") for r in roots if r}
-    found |= {os.path.join(os.path.abspath(r), "") for r in roots if r}
-    return tuple(sorted(found)) + (_PACKAGE_DIR, os.path.join(os.path.realpath(_PACKAGE_DIR), ""))
-
-
-_ROOTS: tuple[str, ...] | None = None
-
-
-def _roots() -> tuple[str, ...]:
-    """Where the installation and this package live (found once; ``sysconfig`` imports a module
-    the first time, so the rank asks at its start, never first from another thread)."""
-    global _ROOTS
-    if _ROOTS is None:
-        _ROOTS = _installation_roots()
-    return _ROOTS
-
-
-def is_learners_file(filename: str) -> bool:
-    """True for code of the learner's: a file outside the Python installation and this package, a
-    notebook cell or a string it ran (``<ipython-input-3-...>``, ``<ranks-cell-2>``, ``<string>``);
-    not Python's own frozen modules."""
-    if filename.startswith("<"):
-        return not filename.startswith("<frozen")
-    return not os.path.abspath(filename).startswith(_roots())
+from ...tracking.learners import is_learners_file, roots
 
 
 def learner_threads() -> list[str]:
@@ -108,7 +71,7 @@ def is_learners(module) -> bool:
             return False
     if not places:
         return False
-    return not any(os.path.abspath(p).startswith(_roots()) for p in places)
+    return not any(os.path.abspath(p).startswith(roots()) for p in places)
 
 
 def _script_folder(path: str) -> str:

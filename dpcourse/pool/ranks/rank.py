@@ -20,6 +20,7 @@ import traceback
 from multiprocessing.connection import Connection
 
 from ...backends import rank_device
+from ...patching import patched
 from ...processes import set_death_signal
 from .. import wire
 from . import fresh
@@ -27,7 +28,7 @@ from .forwarder import OutputForwarder
 from .group import PoolGroup, torchrun_env
 from .isolation import learner_threads, script_imports
 from ..reaper import own_group, stop_descendants
-from .tracker import TRACKER
+from ...tracking.tracker import TRACKER
 
 _exit = os._exit  # the process's own exit: a script's os._exit is caught while it runs (_exec_script)
 
@@ -104,10 +105,14 @@ class Rank:
                 msg = self.control.recv()
             except (EOFError, OSError):
                 _exit(0)  # the kernel died: never outlive it
-            if isinstance(msg, wire.AskStatus):
-                self.send_control(self.status())
-            elif isinstance(msg, wire.AskWait):
-                self.send_control(self.wait_state())
+            match msg:
+                case wire.AskStatus():
+                    self.send_control(self.status())
+                case wire.AskWait():
+                    self.send_control(self.wait_state())
+                case other:  # the kernel and the rank disagree: said, and the thread serves on
+                    print(f"dpcourse: rank {self.rank} ignores {other!r} on its control socket, "
+                          "which carries AskStatus and AskWait only.", file=sys.stderr, flush=True)
 
     def status(self) -> wire.Status:
         frame = sys._current_frames().get(self.main_ident)
@@ -214,19 +219,23 @@ class Rank:
 
     def _dispatch(self, body, run_id: int) -> tuple:
         """Run a task's body; (its value, what its observers saw: ``[]`` without observers)."""
-        if isinstance(body, wire.RunCell):
-            return self._run_cell(body.source, body.filename), []
-        if isinstance(body, wire.RunScript):
-            return self._run_script(body, run_id)
-        if isinstance(body, wire.Reinit):
-            import torch.distributed as dist
+        match body:
+            case wire.RunCell(source=source, filename=filename):
+                return self._run_cell(source, filename), []
+            case wire.RunScript():
+                return self._run_script(body, run_id)
+            case wire.Reinit(port=port):
+                import torch.distributed as dist
 
-            if dist.is_initialized():  # only some ranks lost it: start from a clean slate
-                dist.destroy_process_group()
-            return self.group.init(body.port), []
-        with observing(body.observers) as observed:
-            value = body.fn(*body.args, **body.kwargs)
-        return value, observed
+                if dist.is_initialized():  # only some ranks lost it: start from a clean slate
+                    dist.destroy_process_group()
+                return self.group.init(port), []
+            case wire.RunFunction(fn=fn, args=args, kwargs=kwargs, observers=observers):
+                with observing(observers) as observed:
+                    value = fn(*args, **kwargs)
+                return value, observed
+            case other:  # goes back to the kernel as the call's error
+                raise TypeError(f"a rank runs RunFunction, RunCell, RunScript or Reinit, not {other!r}")
 
     def _run_cell(self, source: str, filename: str):
         """Run a %%ranks cell; return the value of its last line if that is an expression."""
@@ -280,16 +289,15 @@ class Rank:
         saved_main, sys.modules["__main__"] = sys.modules["__main__"], main
         global _script_pid
         _script_pid = os.getpid()
-        os._exit = _script_exit  # under torchrun it ends the process; here it ends the script
-        try:
-            with script_imports(path), self.group.script(path, script.argv, script.port, script.env), \
+        try:  # os._exit: under torchrun it ends the process; here it ends the script
+            with patched(os, _exit=_script_exit), script_imports(path), \
+                    self.group.script(path, script.argv, script.port, script.env), \
                     fresh.fresh_process(self.kernel_cwd, self.spec.get("seed"), self.rank, self.say):
                 try:
                     _exec_main(code, main.__dict__)
                 except SystemExit as exc:
                     return _exit_code(exc)
         finally:
-            os._exit = _exit
             sys.modules["__main__"] = saved_main
             self.say("")
             _tear_down(main)

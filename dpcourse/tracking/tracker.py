@@ -30,20 +30,19 @@ The point-to-point wrappers are rebound for a rank's life (what a thread of the 
 between two calls counts too; elsewhere, for one ``calls()``), and ``Work.wait`` for the rest of
 a call once the learner's code issued an asynchronous operation in it (so a stack dump of a
 rank waiting in a plain ``dist.all_reduce`` shows PyTorch's frames only); nothing public sees
-either before it reaches the backend. ``group.py``'s guard on
-``init_process_group``/``destroy_process_group`` is the pool's other runtime patch. A wrapper
-is recognised by a marker attribute, so a nested install is a no-op. (The exercise checkers
-patch more, each for one check: ``exercises/observe.py`` in the torchrun workers a checker
-starts, a few try-it checks around one run.)
+either before it reaches the backend. Both are rebound through ``patching.patched``, which puts
+back what it found. A wrapper is recognised by a marker attribute, so a nested install is a
+no-op. (The pool's rank guards ``init_process_group``/``destroy_process_group`` besides, and the
+exercise checkers patch more, each for one check.)
 
 Every call also keeps its *traffic*: the messages each rank sent and received, by group and
-peer, and the collectives it issued, by group (``traffic()``), each group named by a
-``wire.Group`` (its ranks, whether it is the default group, its name). The kernel adds them up
-over the ranks and over the calls since the ranks started (``traffic``, in the kernel's
-process): a message no rank received, a receive nothing matched, or a group whose members
-issued different numbers of collectives is still in flight and would be matched by the next
-call's code. After a failed call the pool then starts fresh ranks instead of keeping them;
-after a call that returned it says so.
+peer, and the collectives it issued, by group (``traffic()``, a ``records.Traffic``), each group
+named by a ``records.Group`` (its ranks, whether it is the default group, its name). The pool's
+kernel adds them up over the ranks and over the calls since the ranks started: a message no
+rank received, a receive nothing matched, or a group whose members issued different numbers
+of collectives is still in flight and would be matched by the next call's code. After a
+failed call the pool then starts fresh ranks instead of keeping them; after a call that
+returned it says so.
 
 Whoever wants to see every collective a rank issues -- the course's observers -- listens
 (``TRACKER.listen(fn)``): ``fn(Issued(...))`` is called on the issuing thread right after
@@ -57,12 +56,12 @@ import inspect
 import threading
 import time
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
-from ...torch_private import argument_index, boxed_type_name, keys_below_backend_select, source_rank
-from ..errors import ordinal
-from ..wire import Group, Wait
-from .isolation import is_learners_file
+from ..patching import patched
+from ..torch_private import argument_index, boxed_type_name, keys_below_backend_select
+from .learners import is_learners_file
+from .records import Group, Issued, Op, Peer, Traffic, Wait, ordinal
 
 # c10d operator -> the collective's name in torch.distributed (one table for the package: the
 # observers read the name from it, as ``Issued.collective``).
@@ -85,50 +84,6 @@ _KEEP = 256  # operations remembered per call (older completed ones are dropped)
 _C10D_FILES = ("distributed_c10d.py", "c10d_logger.py")  # torch.distributed's own frames above a call
 
 
-@dataclass(frozen=True)
-class Issued:
-    """One collective or point-to-point call a rank issued.
-
-    ``op``: the c10d operator (``"allreduce_"``, ``"_allgather_base_"``) or, for point-to-point,
-    the ``torch.distributed`` function (``"isend"``); ``collective``: its name in
-    ``torch.distributed`` (``"all_reduce"``, ``"send"``); ``args``: the operator's arguments
-    (point-to-point: ``(tensor, peer, group)``, ``peer`` a global rank); ``start``:
-    ``time.perf_counter()`` when it was called; ``work``: what it returned (None: it blocked).
-    """
-    op: str
-    collective: str
-    args: tuple
-    start: float
-    work: object
-
-
-@dataclass
-class Op:
-    """One communication a rank issued in the current call, as the tracker keeps it.
-
-    ``what``: the ``wire.Wait`` that names it (kind, name, number, group, peer -- None: from any
-    rank, until one sent --, place); ``start``: ``time.perf_counter()`` at the call; ``work``: its
-    ``Work``, held until it completes (so that ``wait()`` on it is recognised), then dropped
-    with its tensors; ``done``: it completed."""
-
-    what: Wait
-    start: float
-    work: object = None
-    done: bool = False
-
-    def completed(self) -> bool:
-        if not self.done and self.work is not None:
-            try:
-                self.done = bool(self.work.is_completed())
-            except Exception:  # noqa: BLE001 -- a Work of a destroyed group
-                self.done = True
-            if self.done:
-                if self.what.kind == "recv" and self.what.peer is None:  # irecv(src=None): who sent it
-                    self.what = replace(self.what, peer=source_rank(self.work))
-                self.work = None
-        return self.done
-
-
 UNKNOWN = "unknown"  # blocked in a wait() on a Work the tracker did not see issued in this call
 
 
@@ -142,6 +97,7 @@ class CollectiveTracker:
         self._listeners: list = []
         self._wrap_wait = None  # inside calls(): wraps Work.wait for the rest of the call
         self._in_call = False  # inside calls() (its nested uses change nothing)
+        self._for_life = contextlib.ExitStack()  # patches kept for the process's life (never closed)
         self.main = threading.main_thread().ident
         self._clear_traffic()
         self.reset()
@@ -160,37 +116,38 @@ class CollectiveTracker:
     def _clear_traffic(self) -> None:
         """Traffic since the last ``traffic()``; the groups it used are held until then."""
         self._groups: dict[int, tuple[object, Group]] = {}  # id(group) -> (group, its name)
-        self._sent: dict[tuple, int] = {}      # (Group, peer) -> messages
-        self._received: dict[tuple, int] = {}  # (Group, peer or None: any source) -> messages
-        self._any_source: list = []            # (Group, Op) of irecv(src=None)
-        self._collectives: dict[Group, int] = {}  # Group -> collectives issued
+        self._sent: dict[Peer, int] = {}      # messages sent to each peer
+        self._received: dict[Peer, int] = {}  # messages received from each peer (a known sender)
+        self._any_source: list[Op] = []       # receives posted from any rank: irecv(src=None)
+        self._collectives: dict[Group, int] = {}  # collectives issued on each group
+
+    def _counted(self) -> tuple[Traffic, list[Op]]:
+        """A copy of the counts so far, and of the receives from any rank (lock held)."""
+        return Traffic(dict(self._sent), dict(self._received), dict(self._collectives)), list(self._any_source)
 
     # --- what the kernel asks -------------------------------------------------------------
-    def traffic(self, destroyed: bool = False) -> dict:
-        """The messages and collectives since the last reading (this call's), by ``wire.Group``:
-        ``{"sent": {(group, dst): n}, "received": {(group, src): n}, "collectives": {group: n}}``;
-        ``src`` None: a receive from any rank still unmatched. Then counting starts again. With
-        ``destroyed`` -- what a script's end tells, while the call goes on -- the groups destroyed
-        meanwhile count too and nothing is reset; without, they do not count (what they held can
-        never reach another call)."""
+    def traffic(self, destroyed: bool = False) -> Traffic:
+        """The messages and collectives since the last reading (this call's), as a ``Traffic``
+        (a receive from any rank still unmatched counts under ``Peer(group, None)``). Then
+        counting starts again. With ``destroyed`` -- what a script's end tells, while the call
+        goes on -- the groups destroyed meanwhile count too and nothing is reset; without, they
+        do not count (what they held can never reach another call)."""
         with self._lock:
             groups = list(self._groups.values())
-            sent, received = dict(self._sent), dict(self._received)
-            collectives, any_source = dict(self._collectives), list(self._any_source)
+            counted, any_source = self._counted()
             if not destroyed:
                 self._clear_traffic()
         gone = set() if destroyed else {name for group, name in groups if not _alive(group)}
-        return _summarise(gone, sent, received, collectives, any_source)
+        return _summarise(gone, counted, any_source)
 
-    def waiting(self) -> tuple[Wait | None, str, dict]:
+    def waiting(self) -> tuple[Wait | None, str, Traffic]:
         """While a call runs (asked from another thread): the communication the main thread is
-        blocked in (``wire.Wait``; None: none the tracker can follow, and then a few words on
+        blocked in (a ``Wait``; None: none the tracker can follow, and then a few words on
         why), and the call's traffic so far, every group counted, left in place."""
         with self._lock:
-            sent, received = dict(self._sent), dict(self._received)
-            collectives, any_source = dict(self._collectives), list(self._any_source)
+            counted, any_source = self._counted()
             blocked = self._blocked()
-        traffic = _summarise(set(), sent, received, collectives, any_source)
+        traffic = _summarise(set(), counted, any_source)
         if blocked is None:
             return None, "is not blocked in a communication (computing, or waiting elsewhere)", traffic
         if blocked == UNKNOWN:
@@ -261,44 +218,37 @@ class CollectiveTracker:
             yield
             return
         self._in_call = True
-        restore = self._wrap_point_to_point()
-        original_wait = dist.Work.wait
-        self._wrap_wait = lambda: setattr(dist.Work, "wait", self._wait(original_wait))
-        try:
-            yield
-        finally:
-            self._in_call, self._wrap_wait = False, None
-            dist.Work.wait = original_wait
-            restore()
+        with contextlib.ExitStack() as patches:  # undone last patch first: Work.wait, then p2p
+            patches.enter_context(self._point_to_point())
+            wait = self._wait(dist.Work.wait)
+            self._wrap_wait = lambda: patches.enter_context(patched(dist.Work, wait=wait))
+            try:
+                yield
+            finally:
+                self._in_call, self._wrap_wait = False, None
 
     def keep_point_to_point(self) -> None:
         """Track ``send``/``recv``/``isend``/``irecv`` for the life of this process (a rank: what a
         thread of the learner's sends between two calls counts in the next one's traffic)."""
-        self._wrap_point_to_point()
+        self._for_life.enter_context(self._point_to_point())
 
-    def _wrap_point_to_point(self):
-        """Rebind the point-to-point functions to the tracker's; returns what undoes it (nothing
-        when they already are)."""
+    def _point_to_point(self) -> contextlib.AbstractContextManager:
+        """Rebind the point-to-point functions of ``c10d``, and those ``dist`` takes from it, to the
+        tracker's now; returns what puts them back once it is left (nothing, when they already are)."""
         import torch.distributed as dist
         import torch.distributed.distributed_c10d as c10d
 
         if getattr(c10d.isend, "_dpcourse_wrapped", False):
-            return lambda: None
+            return contextlib.nullcontext()
         saved = {name: getattr(c10d, name) for name in POINT_TO_POINT}
-        for name, original in saved.items():
-            wrapped = self._p2p(name, original)
-            wrapped._dpcourse_wrapped = True
-            setattr(c10d, name, wrapped)
-            if getattr(dist, name, None) is original:
-                setattr(dist, name, wrapped)
-
-        def restore():
-            for name, original in saved.items():
-                if getattr(dist, name, None) is getattr(c10d, name):
-                    setattr(dist, name, original)
-                setattr(c10d, name, original)
-
-        return restore
+        wrapped = {name: self._p2p(name, original) for name, original in saved.items()}
+        for fn in wrapped.values():
+            fn._dpcourse_wrapped = True
+        patches = contextlib.ExitStack()
+        patches.enter_context(patched(c10d, **wrapped))
+        patches.enter_context(patched(dist, **{name: fn for name, fn in wrapped.items()
+                                               if getattr(dist, name, None) is saved[name]}))
+        return patches
 
     @contextlib.contextmanager
     def listen(self, fn):
@@ -316,7 +266,7 @@ class CollectiveTracker:
 
     # --- recording --------------------------------------------------------------------------
     def _group(self, group) -> Group:
-        """The ``wire.Group`` of a process group (None: the default one), noted for traffic()."""
+        """The ``Group`` of a process group (None: the default one), noted for traffic()."""
         import torch.distributed as dist
 
         if group is None:
@@ -338,11 +288,11 @@ class CollectiveTracker:
         if kind == "collective":
             self._collectives[g] = self._collectives.get(g, 0) + 1
         elif kind == "send":
-            self._sent[(g, peer)] = self._sent.get((g, peer), 0) + 1
+            self._sent[Peer(g, peer)] = self._sent.get(Peer(g, peer), 0) + 1
         elif peer is None:
-            self._any_source.append((g, op))
+            self._any_source.append(op)
         else:
-            self._received[(g, peer)] = self._received.get((g, peer), 0) + 1
+            self._received[Peer(g, peer)] = self._received.get(Peer(g, peer), 0) + 1
         self.ops.append(op)
         if len(self.ops) > _KEEP:
             self.ops = [o for o in self.ops if not o.completed()][-_KEEP:] or self.ops[-1:]
@@ -352,9 +302,9 @@ class CollectiveTracker:
         """An operation whose call raised: nothing was sent or posted (lock held)."""
         what = op.what
         counter = {"collective": self._collectives, "send": self._sent, "recv": self._received}[what.kind]
-        key = what.group if what.kind == "collective" else (what.group, what.peer)
+        key = what.group if what.kind == "collective" else Peer(what.group, what.peer)
         if what.kind == "recv" and what.peer is None:
-            self._any_source = [(g, o) for g, o in self._any_source if o is not op]
+            self._any_source = [o for o in self._any_source if o is not op]
         elif counter.get(key):
             counter[key] -= 1
         op.done, op.work = True, None
@@ -412,9 +362,10 @@ class CollectiveTracker:
                 raise
             with self._lock:
                 if peer is None and isinstance(work, int):  # recv(src=None) returns the sender
-                    self._any_source = [(g, o) for g, o in self._any_source if o is not op]
+                    self._any_source = [o for o in self._any_source if o is not op]
                     op.what = replace(op.what, peer=work)
-                    self._received[(op.what.group, work)] = self._received.get((op.what.group, work), 0) + 1
+                    sender = Peer(op.what.group, work)
+                    self._received[sender] = self._received.get(sender, 0) + 1
                 if hasattr(work, "is_completed"):  # isend/irecv: a Work, held until it completes
                     op.work = work
                 else:  # send returns None and recv the sender's rank: both have completed
@@ -506,21 +457,16 @@ def _alive(group) -> bool:
         return False
 
 
-def _summarise(gone: set, sent: dict, received: dict, collectives: dict, any_source: list) -> dict:
-    """Counts by ``wire.Group`` (see ``traffic``), without the groups in ``gone``."""
-    received = dict(received)
-    for g, op in any_source:
-        peer = op.what.peer if op.completed() else None
-        received[(g, peer)] = received.get((g, peer), 0) + 1
-    out: dict = {"sent": {}, "received": {}, "collectives": {}}
-    for name, table in (("sent", sent), ("received", received)):
-        for (g, peer), n in table.items():
-            if g not in gone and n:
-                out[name][(g, peer)] = out[name].get((g, peer), 0) + n
-    for g, n in collectives.items():
-        if g not in gone and n:
-            out["collectives"][g] = n
-    return out
+def _summarise(gone: set, counted: Traffic, any_source: list[Op]) -> Traffic:
+    """The traffic to hand over (see ``traffic``): each receive from any rank counted under its
+    sender once it completed (under ``Peer(group, None)`` before), no group in ``gone``, no zero."""
+    received = dict(counted.received)
+    for op in any_source:
+        peer = Peer(op.what.group, op.what.peer if op.completed() else None)
+        received[peer] = received.get(peer, 0) + 1
+    return Traffic({p: n for p, n in counted.sent.items() if n and p.group not in gone},
+                   {p: n for p, n in received.items() if n and p.group not in gone},
+                   {g: n for g, n in counted.collectives.items() if n and g not in gone})
 
 
 def _p2p_args(name: str, args: tuple, kwargs: dict) -> tuple:
