@@ -44,7 +44,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .exercises.report import MIME
+from .grading.report import MIME
 
 TIMEOUT = 600.0  # seconds one cell may run
 PASSED, FAILED, USAGE, INCOMPLETE = 0, 1, 2, 3  # exit statuses (the module's docstring)

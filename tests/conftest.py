@@ -8,8 +8,8 @@ import psutil
 import pytest
 
 import dpcourse as dpc
-from dpcourse.exercises import provenance
-from dpcourse.exercises.ranks import close_judges
+from dpcourse.grading import provenance
+from dpcourse.grading.judging import close_judges
 from dpcourse.processes import stop
 
 
@@ -70,15 +70,17 @@ cluster2, cluster3, cluster4, cluster5 = (_cluster_fixture(n) for n in (2, 3, 4,
 
 # --- tiers and order ----------------------------------------------------------------------
 # `pytest -m "not slow"` is the fast tier: every room's own tests, in a few minutes, to run
-# while working. `slow` marks what runs a whole notebook, a browser, torchrun, an exercise's
-# checker end to end, or waits on purpose (deadlocks, faults); `.ci/run` runs both tiers.
+# while working. `slow` marks what runs a whole notebook or a kernel's Run All, a browser,
+# torchrun, an exercise's checker end to end (all but two try-its, in test_tryits.py), or waits
+# on purpose (deadlocks, faults); `.ci/run` runs both tiers.
 SLOW_FILES = {
     "test_browser.py", "test_exercise_f.py", "test_exercises.py", "test_exercises_bc.py",
     "test_exercises_de.py", "test_exercise_notebooks.py", "test_launch.py",
     "test_deadlock.py", "test_faults.py", "test_script_isolation.py", "test_start_method.py",
     "test_run_script.py", "test_scratch_ddp.py", "test_kernel.py", "test_at_work.py",
     "test_notebook_peaks.py", "test_soak.py", "test_scripts.py", "test_script_end.py",
-    "test_compile_meshes.py", "test_long_runs.py", "test_large_models_memory.py",
+    "test_compile_meshes.py", "test_long_runs.py", "test_large_models_memory.py", "test_after_run_all.py",
+    "test_memory_ranks.py", "test_bench.py",
 }
 
 # Under `-n 2 --dist loadfile` a file runs on one worker from start to end: the longest start

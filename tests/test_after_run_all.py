@@ -38,7 +38,7 @@ def test_a_call_after_shutdown_says_in_one_line_what_to_run_and_restart_starts_i
 
 
 def _no_sync_reference():
-    from dpcourse.exercises import provenance
+    from dpcourse.grading import provenance
 
     with provenance.quiet():
         source = dpc.exercises.solution("no_sync")
@@ -98,7 +98,7 @@ def test_in_a_kernel_start_shows_progress_the_first_cell_reruns_quietly_and_call
 
 
 def test_an_exercise_checker_given_the_shut_down_cluster_starts_it_again(capsys):
-    from dpcourse.exercises.ranks import clusters_for
+    from dpcourse.grading.judging import clusters_for
 
     cluster = dpc.Cluster(world_size=2, current=False)
     cluster.shutdown()

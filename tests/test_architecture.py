@@ -74,6 +74,39 @@ def test_no_import_cycle_between_rooms():
     assert cycle is None, "rooms import each other: " + " -> ".join(cycle)
 
 
+def module_graph() -> dict[str, set[str]]:
+    """module -> the modules of its own room it imports (``from . import x`` counts as module
+    ``x``, not its package), at top level or inside a function."""
+    paths = {".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__"): p
+             for p in PACKAGE.rglob("*.py")}
+    graph = defaultdict(set)
+    for module, path in paths.items():
+        package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found = {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                parts = package.split(".")
+                base = (".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+                        if node.level else node.module or "")
+                found = {f"{base}.{a.name}" if f"{base}.{a.name}" in paths else base for a in node.names}
+            else:
+                continue
+            graph[module] |= {m for m in found if m in paths and m != module and room_of(m) == room_of(module)}
+    return graph
+
+
+def test_no_import_cycle_between_the_modules_of_a_room():
+    cycle = find_cycle(module_graph())
+    assert cycle is None, "modules of one room import each other: " + " -> ".join(cycle)
+
+
+def test_the_grading_framework_knows_nothing_of_the_content():
+    graph = room_graph()
+    assert graph["grading"] <= {"pool", "processes", "patching", "tracking"}, graph["grading"]
+    assert "grading" in graph["exercises"] and "grading" in graph["grade"]
+
+
 def test_the_cycle_finder_finds_one():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
@@ -81,12 +114,17 @@ def test_the_cycle_finder_finds_one():
 
 def test_leaf_rooms_import_no_other_room():
     graph = room_graph()
-    assert graph["pool"] <= {"backends", "processes", "torch_private"}  # the pool runs anything, knows nothing of the lessons
+    # the pool runs anything, knows nothing of the lessons
+    assert graph["pool"] <= {"backends", "processes", "torch_private", "tracking", "patching"}
+    assert graph["tracking"] <= {"torch_private", "patching"}, "what ranks record knows nothing of the pool or the lessons"
+    readers = {room for room, targets in graph.items() if "tracking" in targets}
+    assert readers <= {"pool", "observe", "grading", "exercises"}, \
+        f"only the pool, the observers and the checks read the tracker: {readers}"
     assert not graph["processes"], "the process toolbox (pool, train, exercises, tests use it) imports no room"
     assert "pool" not in graph["train"], "the runner runs under torchrun: it never needs the notebook's ranks"
-    assert not graph["torch_private"], "the one home of PyTorch's private names imports no room"
+    assert graph["torch_private"] <= {"patching"}, "the one home of PyTorch's private names imports no room but patching"
     assert "collectives" not in graph or graph["collectives"] <= {"pool", "backends", "vocab", "models"}
-    assert graph["observe"] <= {"pool", "collectives", "memory", "vocab", "models", "backends", "torch_private"}
+    assert graph["observe"] <= {"tracking", "collectives", "memory", "vocab", "models", "backends", "torch_private"}
 
 
 # --------------------------------------------------------------- short functions, no copies
@@ -142,3 +180,54 @@ def test_the_scans_find_what_they_look_for():
     copied = {"a.py": f"def f():\n{body}", "b.py": f"import os\n\ndef g():\n    # why\n{body}"}
     assert repeated_windows(copied) == [[("a.py", 2), ("b.py", 5)]]
     assert repeated_windows({"a.py": copied["a.py"]}) == []
+
+
+# --------------------------------------------------------------- one way to patch
+PATCHING = "patching.py"   # the one module that sets another module's attributes
+
+
+def _imported_names(tree: ast.AST) -> set[str]:
+    """Names an ``import`` binds anywhere in ``tree`` (modules, or what was taken from them)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            names |= {a.asname or a.name for a in node.names}
+    return names
+
+
+def _root(node: ast.AST) -> str | None:
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def patch_sites(source: str) -> list[int]:
+    """Lines that set an attribute of something imported (``torch.save = f``,
+    ``dist.Work.wait = f``, ``setattr(c10d, name, f)``): patches not made by ``patched``."""
+    tree = ast.parse(source)
+    imported = _imported_names(tree)
+    found = []
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            targets = [t for t in targets if isinstance(t, ast.Attribute)]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr"):
+            targets = node.args[:1]
+        found += [node.lineno for t in targets if _root(t) in imported]
+    return sorted(set(found))
+
+
+def test_attributes_of_imported_modules_are_set_only_through_patched():
+    sites = {rel: lines for rel, source in package_sources().items()
+             if rel != PATCHING and (lines := patch_sites(source))}
+    assert not sites, f"use dpcourse.patching.patched (it restores what it set) instead of assigning: {sites}"
+
+
+def test_the_patch_scan_finds_what_it_looks_for():
+    source = ("import torch\nimport torch.distributed as dist\nfrom os import path\n"
+              "torch.save = 1\ndist.Work.wait = 2\nsetattr(path, 'x', 3)\n"
+              "class K:\n    pass\nK.y = 4\nobj = object()\nobj.z = 5\n")
+    assert patch_sites(source) == [4, 5, 6]

@@ -18,7 +18,7 @@ from nbclient import NotebookClient
 
 import dpcourse as dpc
 from dpcourse.exercises import exercise_b, exercise_c, setups
-from dpcourse.exercises.report import Report
+from dpcourse.grading.report import Report
 
 pytestmark = pytest.mark.timeout(900)
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks" / "exercises"

@@ -14,7 +14,7 @@ import pytest
 
 import dpcourse as dpc
 from dpcourse import grade as grader
-from dpcourse.exercises.report import Report
+from dpcourse.grading.report import Report
 
 pytestmark = pytest.mark.timeout(600)
 EXERCISES = Path(__file__).resolve().parent.parent / "notebooks" / "exercises"
@@ -130,8 +130,8 @@ def notebook(path: Path, *cells: str) -> Path:
 
 
 TOY_CHECK = """
-from dpcourse.exercises import provenance
-from dpcourse.exercises.report import Report
+from dpcourse.grading import provenance
+from dpcourse.grading.report import Report
 
 @provenance.judged("no_sync")
 def check(ok):                    # a check as the checkers are: it lists the references read

@@ -8,7 +8,7 @@ import pytest
 import dpcourse as dpc
 from dpcourse.exercises import known_errors
 from dpcourse.exercises.known_errors import first_cause, hint, lost_a_peer, with_hint
-from dpcourse.exercises.ranks import failure_of
+from dpcourse.grading.judging import failure_of
 from dpcourse.pool import RankError
 from dpcourse.pool.errors import RankReport
 

@@ -14,7 +14,7 @@ from dpcourse.collectives.trace import Trace
 pytestmark = pytest.mark.timeout(180)
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"N{n}")
+@pytest.fixture(scope="module", params=[2, pytest.param(4, marks=pytest.mark.slow)], ids=lambda n: f"N{n}")
 def cluster(request):
     with dpc.Cluster(world_size=request.param, timeout=60) as c:
         yield c

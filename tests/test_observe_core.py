@@ -4,6 +4,7 @@ undone when it is left, installed without hiding another ``sitecustomize``.
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -68,7 +69,7 @@ RECORDED = textwrap.dedent("""
     import torch, torch.distributed as dist
     import dpcourse
     from torch.utils.data import DataLoader
-    from dpcourse.exercises.observe import ScriptRecorder, read_log
+    from dpcourse.exercises.recorder import ScriptRecorder, read_log
     from dpcourse.torch_private import functional_collectives
 
     funcol = functional_collectives()
@@ -110,12 +111,15 @@ def test_the_script_recorder_records_and_then_undoes_every_patch(tmp_path):
     done = subprocess.run([sys.executable, str(script), str(tmp_path)], env=env, capture_output=True,
                           text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
-    lines = (tmp_path / "rank0.log").read_text().splitlines()
-    assert lines[0] == f"pid {lines[0].split()[1]}"
-    assert "comm 2 all_reduce float32 32 1 1 c10d" in lines   # issued after step 2; 8 floats
-    assert "done 1" in lines and "destroy" in lines and sum(line.startswith("step ") for line in lines) == 2
-    assert f"save {tmp_path / 'model.pt'}" in lines
-    assert [line for line in lines if line.startswith("lr ")] == ["lr 0 0.5", "lr 1 0.5"]
+    from dpcourse.exercises.recorder import Lr, Save, Step
+    from dpcourse.grading.events import Comm, Destroy, Done, Pid, read_events
+
+    events = read_events(str(tmp_path), 0)
+    assert isinstance(events[0], Pid) and events[0].pid > 0
+    assert Comm(2, "all_reduce", "float32", 32, 1, 1, "c10d") in events   # issued after step 2; 8 floats
+    assert Done(1) in events and Destroy() in events and sum(isinstance(e, Step) for e in events) == 2
+    assert Save(str(tmp_path / "model.pt")) in events
+    assert [e for e in events if isinstance(e, Lr)] == [Lr(0, 0.5), Lr(1, 0.5)]
 
 
 OTHER_SITECUSTOMIZE = "import os\nopen(os.environ['OTHER_SITE_MARK'], 'w').write('ran')\n"
@@ -138,7 +142,7 @@ def test_the_checkers_sitecustomize_still_runs_another_on_the_path(tmp_path, obs
     assert done.returncode == 0, done.stderr[-3000:]
     assert mark.read_text() == "ran"
     assert done.stdout.strip() == str(other / "sitecustomize.py")   # `import sitecustomize` finds the other
-    log = logs / "rank0.log"
+    log = logs / "rank0.jsonl"
     assert log.exists() == observed
     if observed:
-        assert log.read_text().splitlines()[0].startswith("pid ")
+        assert json.loads(log.read_text().splitlines()[0])["event"] == "Pid"

@@ -1,5 +1,5 @@
-"""Where a learner's formulas run (``exercises.sandbox``) and what says a reference was used
-(``exercises.provenance``): each route to the course's code, tried for real in the process
+"""Where a learner's formulas run (``grading.sandbox``) and what says a reference was used
+(``grading.provenance``): each route to the course's code, tried for real in the process
 the formulas run in; no ranks, a fraction of a second each."""
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import textwrap
 import pytest
 
 import dpcourse as dpc
-from dpcourse.exercises import provenance, sandbox
-from dpcourse.exercises.sandbox import UNREACHABLE
+from dpcourse.exercises.setups import COURSE_CODE
+from dpcourse.grading import provenance, sandbox
+from dpcourse.grading.sandbox import UNREACHABLE
 
 LEDGER = os.path.join(os.path.dirname(dpc.__file__), "memory", "ledger.py")
 
@@ -64,9 +65,9 @@ def test_every_route_to_the_course_is_closed_where_formulas_run(fn):
 
 def test_a_copy_of_the_calculator_run_by_exec_is_told_as_a_copy():
     out = sandbox.evaluate({"f": through_exec}, [("f", ([1], 2, "ddp"))])
-    assert sandbox.copied_from(out["compiled"]) == "dpc.memory"
-    assert sandbox.copied_from(sandbox.learner_sources(held)) is None   # short idioms are no copy
-    assert sandbox.copied_from(sandbox.learner_sources(through_exec)) is None
+    assert sandbox.copied_from(out["compiled"], COURSE_CODE) == "dpc.memory"
+    assert sandbox.copied_from(sandbox.learner_sources(held), COURSE_CODE) is None   # short idioms are no copy
+    assert sandbox.copied_from(sandbox.learner_sources(through_exec), COURSE_CODE) is None
 
 
 def test_a_formula_may_use_torch_and_numpy_there():
@@ -99,7 +100,7 @@ def test_a_reference_read_by_any_route_is_recorded_and_its_own_check_says_so():
     provenance.forget()
     since = provenance.mark()
     assert provenance.used("A", since) == []
-    with open(os.path.join(provenance.SOLUTIONS, "tryits", "no_sync.py")) as f:   # a route round solution()
+    with open(os.path.join(provenance.where()[0], "tryits", "no_sync.py")) as f:   # a route round solution()
         f.read()
     assert provenance.used("A", since) == ["no_sync"]
     later = provenance.mark()
@@ -119,8 +120,8 @@ def test_a_script_that_carries_the_reference_text_is_told_from_one_written_apart
         reference, starter = dpc.exercises.solution("A"), open(starters.path("train_lm")).read()
     assert provenance.embeds(reference, "A", starter)
     assert not provenance.embeds(starter, "A", starter)
-    assert provenance.key_of(os.path.join(provenance.SOLUTIONS, "train_lm_fsdp.py")) == "F"
-    assert provenance.key_of(os.path.join(provenance.SOLUTIONS, "__init__.py")) is None
+    assert provenance.key_of(os.path.join(provenance.where()[0], "train_lm_fsdp.py")) == "F"
+    assert provenance.key_of(os.path.join(provenance.where()[0], "__init__.py")) is None
 
 
 ROOT = os.path.dirname(os.path.dirname(dpc.__file__))

@@ -36,7 +36,7 @@ def _frozen_or_block(module):
         isinstance(module, nn.Embedding) and not module.weight.requires_grad)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("options", [{}, {"shard_root": True}, {"reduce_scatter": "ring"},
                                      {"wrap": None}, {"optimizer": "adamw"}, {"accumulation": 2}],
                          ids=["blocks", "shard-root", "ring-reduce-scatter", "one-unit", "adamw",

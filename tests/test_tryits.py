@@ -17,7 +17,7 @@ import pytest
 
 import dpcourse as dpc
 from dpcourse.exercises import tryits
-from dpcourse.exercises.ranks import judge_cluster, other_world_size
+from dpcourse.grading.judging import judge_cluster, other_world_size
 
 from _tryit_variants import VARIANTS
 from test_notebook_surface import APIS, CHAPTERS
@@ -48,6 +48,9 @@ def _check_call(source: str):
 
 TRY_ITS = _try_its()
 IDS = [t[3][1] for t in TRY_ITS]
+# the fast tier judges two try-its end to end on real ranks; the full suite judges all of them
+FAST = {"no_sync", "sampler"}
+END_TO_END = [pytest.param(t, id=name, marks=() if name in FAST else pytest.mark.slow) for t, name in zip(TRY_ITS, IDS)]
 
 
 def _namespace(path) -> dict:
@@ -81,7 +84,7 @@ def _given(cell) -> str:
 def _reference(cell) -> str:
     """The try-it's reference, read by the test (not recorded as a learner's read); the cell
     keeps only its hash, so that a notebook never carries a reference's text."""
-    from dpcourse.exercises import provenance
+    from dpcourse.grading import provenance
 
     with provenance.quiet():
         return dpc.exercises.solution(cell["metadata"]["dpcourse"]["try_it"])
@@ -100,13 +103,34 @@ def test_there_are_try_its_and_each_cell_is_what_the_package_holds():
     for path, cell, _, (chapter, name, _) in TRY_ITS:
         assert cell["metadata"]["dpcourse"]["try_it"] == name, (path.name, cell["id"])
         digest = hashlib.sha256(_reference(cell).encode()).hexdigest()
-        assert cell["metadata"]["dpcourse"]["solution_sha256"] == digest, f"{name}: the cell's hash and the package differ"
+        assert cell["metadata"]["dpcourse"]["solution_sha256"] == digest, \
+            f"{name}: the cell's hash and the reference differ: run python -m dpcourse.exercises.cells"
         assert "solution" not in cell["metadata"]["dpcourse"], f"{name}: the notebook carries the reference's text"
         assert path.name.startswith(chapter), f"{name}: checked as chapter {chapter} in {path.name}"
         assert tryits.load_all()[name].chapter == chapter
         assert _blanks(_given(cell)) and not _blanks(_reference(cell)), name
         assert name in VARIANTS and VARIANTS[name]["mistakes"], f"{name}: no typical mistake is tested"
     assert set(IDS) == set(tryits.load_all()), "a registered try-it has no cell, or a cell no checker"
+
+
+def test_each_try_it_is_one_checker_file_and_one_reference_of_its_name():
+    known = tryits.load_all()
+    assert sorted(known) == tryits.names()
+    for name, tryit in known.items():
+        assert tryit.check.__module__ == f"dpcourse.exercises.tryits.{name}", (name, tryit.check.__module__)
+
+
+def test_the_cells_tool_writes_the_hash_a_test_reads(tmp_path):
+    from dpcourse.exercises import cells
+
+    path, cell, _, _ = TRY_ITS[0]
+    copy = tmp_path / path.name
+    notebook = json.loads(path.read_text())
+    mine = next(c for c in notebook["cells"] if c.get("id") == cell.get("id"))
+    mine["metadata"]["dpcourse"]["solution_sha256"] = "0" * 64
+    copy.write_text(json.dumps(notebook, indent=1, ensure_ascii=False) + "\n")
+    assert cells.sync(copy) and not cells.sync(copy)
+    assert copy.read_text() == path.read_text()   # the shipped notebook, byte for byte
 
 
 def test_the_learner_writes_at_least_24_of_the_26_apis_in_try_its():
@@ -121,7 +145,7 @@ def test_a_starter_with_a_bare_ellipsis_is_not_attempted_and_an_index_ellipsis_i
     linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)
     namespace = {}
     exec(compile(src, filename, "exec"), namespace)
-    from dpcourse.exercises.ranks import blanks_in
+    from dpcourse.grading.judging import blanks_in
     assert blanks_in(namespace["f"]) == 1 and blanks_in(namespace["g"]) == 0
 
 
@@ -137,7 +161,7 @@ def test_an_answer_that_raises_fails_its_first_item_and_leaves_the_others_unjudg
         assert others and all(i.status == "skip" and i.detail for i in others), str(report)
 
 
-@pytest.mark.parametrize("try_it", TRY_ITS, ids=IDS)
+@pytest.mark.parametrize("try_it", END_TO_END)
 def test_a_try_it_as_shipped_reference_mistakes_and_other_correct_answers(try_it, cluster2):
     path, cell, _, (chapter, name, answer) = try_it
     check = dpc.exercises.check_answer
@@ -194,11 +218,14 @@ def _read_on_the_ranks(path):
         return f.read()
 
 
-@pytest.mark.parametrize("route", ["none", "solution() in the kernel", "report.fix()", "solution() on the rank",
-                                   "the file read on the rank", "the file read on the ranks before the check",
-                                   "the file by another path"])
+ROUTES = ["none", "solution() in the kernel", "report.fix()", "solution() on the rank", "the file read on the rank",
+          "the file read on the ranks before the check", "the file by another path"]
+
+
+@pytest.mark.parametrize("route", [pytest.param(r, marks=() if r in ("none", "the file read on the rank")
+                                                else pytest.mark.slow) for r in ROUTES])
 def test_a_try_it_that_used_the_reference_is_judged_and_flagged(route, cluster2):
-    from dpcourse.exercises import provenance
+    from dpcourse.grading import provenance
 
     path, cell, _, (chapter, name, answer) = next(t for t in TRY_ITS if t[3][1] == "sampler")
     check = dpc.exercises.check_answer
@@ -210,9 +237,9 @@ def test_a_try_it_that_used_the_reference_is_judged_and_flagged(route, cluster2)
         source = str(check(chapter, name, _define(path, _reference(cell).replace("seed=seed, ", ""), answer),
                            cluster2).fix())
     elif route == "the file read on the ranks before the check":
-        source = cluster2.run(_read_on_the_ranks, f"{provenance.SOLUTIONS}/tryits/sampler.py")[0]
+        source = cluster2.run(_read_on_the_ranks, f"{provenance.where()[0]}/tryits/sampler.py")[0]
     elif route == "the file by another path":
-        source = _read_on_the_ranks(f"/proc/self/root/{provenance.SOLUTIONS}//tryits/sampler.py")
+        source = _read_on_the_ranks(f"/proc/self/root/{provenance.where()[0]}//tryits/sampler.py")
     else:
         source = _ON_THE_RANK if route == "solution() on the rank" else _READ_ON_THE_RANK
     report = check(chapter, name, _define(path, source, answer), cluster2)

@@ -12,11 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# The phases a transfer can belong to, and what the receiver does with what arrives:
-# "add" reduces it into its own copy, "copy" overwrites its own copy.
-PHASES = {"reduce-scatter": "add", "all-gather": "copy",     # ring
-          "reduce": "add", "broadcast": "copy",              # naive: via one root rank
-          "pass": "add"}                                     # whole tensor around the ring
+from .chunks import PHASES, chunk_bounds
+from .trace import Trace, Transfer
+
 ALGORITHMS = ("ring_all_reduce", "ring_reduce_scatter", "ring_all_gather",
               "naive_all_reduce", "whole_ring_all_reduce")
 
@@ -30,19 +28,6 @@ class Send:
     src: int
     dst: int
     chunk: int | None
-
-
-def chunk_bounds(numel: int, world_size: int) -> list[tuple[int, int]]:
-    """(start, stop) element offsets of the ``world_size`` chunks of a tensor of ``numel``."""
-    if world_size < 1 or numel < 0:
-        raise ValueError(f"need world_size >= 1 and numel >= 0, got {world_size} and {numel}")
-    base, extra = divmod(numel, world_size)
-    bounds, start = [], 0
-    for c in range(world_size):
-        stop = start + base + (1 if c < extra else 0)
-        bounds.append((start, stop))
-        start = stop
-    return bounds
 
 
 def ring_reduce_scatter_steps(world_size: int, first_step: int = 0) -> list[list[Send]]:
@@ -108,8 +93,6 @@ def simulate(algorithm: str, world_size: int, numel: int, itemsize: int = 4, inp
     ``numel`` elements (one per rank); then the trace also records what each transfer
     carries and every rank's result, computed on in-memory copies.
     """
-    from .trace import Trace, Transfer
-
     steps = algorithm_steps(algorithm, world_size)
     bounds = chunk_bounds(numel, world_size)
     trace = Trace(algorithm=algorithm, world_size=world_size, numel=numel, itemsize=itemsize,

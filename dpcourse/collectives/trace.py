@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .schedule import PHASES, chunk_bounds
+from .chunks import PHASES, chunk_bounds
 
 
 @dataclass(frozen=True)

@@ -16,21 +16,28 @@ from __future__ import annotations
 
 import os
 
-from . import provenance
-from .exercise_a import check_a
-from .exercise_d import check_d
-from .exercise_f import check_f
-from .selfcheck import check_answer
+from ..grading import judging, provenance
+from . import known_errors
 
-provenance.install()  # a reference's file read in this kernel, by any route, is recorded
+# files in solutions/ (A's and F's: complete scripts); a try-it's is solutions/tryits/<name>.py
+SOLUTION_FILES = {"A": "train_lm_ddp.py", "B": "setups_b.py", "C": "configs_c.py", "D": "ring_d.py",
+                  "E": "bucketed_e.py", "F": "train_lm_fsdp.py"}
+# a reference's file read in this kernel, by any route, is recorded (and on the ranks a check
+# warms up, and in the torchrun workers whose recorder imports this package)
+provenance.install((os.path.join(os.path.dirname(os.path.abspath(__file__)), "solutions"), SOLUTION_FILES))
+judging.explain_errors(known_errors.with_hint)   # PyTorch's message, then the course's sentence on its cause
 
-SOLUTION_FILES = provenance.SOLUTION_FILES   # files in solutions/ (A's and F's: complete scripts)
+from .exercise_a import check_a  # noqa: E402 -- after the references are registered
+from .exercise_d import check_d  # noqa: E402
+from .exercise_e import check_e  # noqa: E402
+from .exercise_f import check_f  # noqa: E402
+from .selfcheck import check_answer  # noqa: E402
 
 
 def solution(exercise: str) -> str:
     """The reference solution of ``exercise`` ("A" to "F", or a try-it's name such as
     "no_sync"), as source text (print it to read it)."""
-    from . import provenance, tryits
+    from . import tryits
 
     key = exercise.upper()
     if exercise in tryits.load_all():
@@ -40,19 +47,12 @@ def solution(exercise: str) -> str:
         raise ValueError(f"no exercise {exercise!r}; choose one of {sorted(SOLUTION_FILES)} "
                          f"or a try-it: {', '.join(sorted(tryits.load_all()))}")
     provenance.shown(key)
-    with open(os.path.join(os.path.dirname(__file__), "solutions", SOLUTION_FILES[key])) as f:
-        return f.read()
+    return provenance.reference_text(key)
 
 
 def __getattr__(name):
-    # exercise_e imports dpcourse.scratch (seconds per process): loaded on first use, so the
-    # ranks that run exercise D's checker code never import it
-    if name in ("check_e", "exercise_e"):
-        import importlib
-
-        module = importlib.import_module(f"{__name__}.exercise_e")
-        return module.check_e if name == "check_e" else module
-    # exercises B and C import the observers and the ledger: loaded on first use too
+    # exercises B and C import the training runner, the observers and the ledger (3 s here,
+    # after torch): loaded on first use, so a rank that runs another checker's code never does
     lazy = {"check_b": "exercise_b", "exercise_b": "exercise_b", "check_c": "exercise_c", "exercise_c": "exercise_c"}
     if name in lazy:
         import importlib

@@ -1,7 +1,7 @@
 """The judges that compare a learner's run with one process's: exercises A and F ask the same
 training of their data-parallel scripts as of ``train_lm.py`` on the global batch.
 
-Each reads the ranks' logs (``observe.py``) beside the single-process run's: the backward
+Each reads the ranks' logs (``recorder.py``) beside the single-process run's: the backward
 pass every gradient collective ran in, the gradient and the learning rate at every optimizer
 step, the val_loss rank 0 printed and the sequences each rank scored, the final weights.
 """
@@ -13,7 +13,7 @@ from collections import Counter
 import torch
 
 from .. import models
-from .report import Report
+from ..grading.report import Report
 from .script_check import (MODEL, VAL_LOSS, VAL_SEED, WORLD_SIZE, Setting, SingleRun, few, judge_leaving,
                            judge_logging_and_saving)
 

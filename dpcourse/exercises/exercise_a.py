@@ -3,7 +3,7 @@
     report = dpc.exercises.check_a("train_lm_ddp.py")
 
 It judges behaviour, not text: the script runs on 2 ranks under ``torchrun`` with the
-course's observer (``observe.py``), and beside it the starter as one process on the global
+course's observer (``recorder.py``), and beside it the starter as one process on the global
 batch (``script_check.py`` holds the judges A and F share). Judged: it completes (a hang is
 stopped within seconds and each rank's place named); each rank reads its own training
 samples and a new order every epoch; accumulation all-reduces once per optimizer step; the
@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from . import equivalence as eq
 from . import script_check as sc
-from .observe import read_log
-from . import provenance
-from .report import Report
+from .recorder import read_log
+from ..grading import provenance
+from ..grading.report import Report
 
 ARGS = ["--epochs", "2", "--batch-size", "8", "--accum-steps", "4", "--num-samples", "256",
         "--val-samples", "37", "--max-norm", "0.1", "--out", "model.pt"]

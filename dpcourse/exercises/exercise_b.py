@@ -42,9 +42,9 @@ from .. import models
 from ..observe import Comm, Memory
 from ..pool import RankError, RankTimeout
 from . import setups
-from .ranks import RankFailure, blanks_in, clusters_for, run_or_failure, warm_up
-from . import provenance
-from .report import Report
+from ..grading.judging import RankFailure, blanks_in, clusters_for, run_or_failure, warm_up
+from ..grading import provenance
+from ..grading.report import Report
 
 # (world size, the MLP's sizes): three models on three world sizes
 CASES = ((2, {"d_hidden": 128, "depth": 4}), (3, {"d_hidden": 96, "depth": 3}), (4, {"d_hidden": 160, "depth": 5}))
@@ -278,7 +278,7 @@ def _reference_formulas() -> dict:
     """The reference's held() and sent_per_step(), read by the course (not the learner's read)."""
     import importlib
 
-    from . import provenance
+    from ..grading import provenance
 
     with provenance.quiet():
         return importlib.import_module(f"{__package__}.solutions.setups_b").predicted

@@ -34,9 +34,9 @@ from .. import memory, models
 from ..memory.ledger import AT_REST
 from ..observe import Comm, Memory
 from . import setups
-from .ranks import RankFailure, blanks_in, clusters_for, run_or_failure
-from . import provenance
-from .report import Report
+from ..grading.judging import RankFailure, blanks_in, clusters_for, run_or_failure
+from ..grading import provenance
+from ..grading.report import Report
 
 WORLD_SIZE, SHARD_GROUP = 4, 2   # HYBRID_SHARD: 2 "nodes" of 2 ranks
 SIZES = {"d_hidden": 128, "depth": 4}
@@ -194,7 +194,7 @@ def _judge_unseen(answers, unseen: list, fname: str) -> dict:
     figures (within twice the tolerance: both are judged against measurements within it)."""
     import importlib
 
-    from . import provenance
+    from ..grading import provenance
 
     with provenance.quiet():   # the course reading its reference: not the learner's read
         reference = importlib.import_module(f"{__package__}.solutions.configs_c").predict

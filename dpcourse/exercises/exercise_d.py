@@ -22,10 +22,10 @@ import torch.distributed as dist
 from ..collectives.schedule import chunk_bounds, ring_all_gather_steps, ring_reduce_scatter_steps
 from ..collectives.trace import Trace, Transfer
 from ..collectives.traced import rank_input
-from ..pool.ranks.tracker import TRACKER
-from . import provenance
-from .report import Report
-from .ranks import RankFailure, blanks_in, clusters_for, run_or_failure
+from ..tracking.tracker import TRACKER
+from ..grading import provenance
+from ..grading.report import Report
+from ..grading.judging import RankFailure, blanks_in, clusters_for, run_or_failure
 
 WORLD_SIZES = (2, 3, 4, 5)
 NUMELS = (0, 1, 8, 11, 60)  # empty; fewer than N; the player's size; divisible by no N; by all
@@ -62,7 +62,7 @@ class SendRecorder:
     """Inside ``with SendRecorder(tensor) as seen:`` every message a rank sends lands in
     ``seen.sent``; set ``seen.phase`` between calls to label them.
 
-    It listens to the process's collective tracker (``dpcourse.pool.ranks.tracker``, the one the
+    It listens to the process's collective tracker (``dpcourse.tracking``, the one the
     course's observers use), which sees ``send``/``isend`` -- however they are reached:
     directly, through ``dist.batch_isend_irecv``'s ``P2POp``s, or ``send`` calling ``isend`` --
     and hands the real functions on. So any correct use of them passes.

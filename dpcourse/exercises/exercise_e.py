@@ -27,9 +27,9 @@ import torch.distributed as dist
 from .. import models
 from ..observe import Comm, Timeline
 from ..scratch.bucketed import assign_buckets
-from .ranks import RankFailure, blanks_in, clusters_for, run_or_failure
-from . import provenance
-from .report import Report
+from ..grading.judging import RankFailure, blanks_in, clusters_for, run_or_failure
+from ..grading import provenance
+from ..grading.report import Report
 
 MODEL, SIZES = "mlp", {"d_hidden": 512, "depth": 4}
 BUCKET_CAP_MB = 1.0      # MiB: 4 buckets of this MLP's gradients, as torch DDP packs them (each
@@ -125,22 +125,18 @@ def check_e(cls, cluster=None, timeout: float = 60.0) -> DDPReport:
         return report
     borrowed = _borrowed(cls)
     if borrowed:
-        report.add(ITEMS["runs"], False, f"{cls.__name__}.{borrowed[0]} is the course's own "
-                   f"({getattr(cls, borrowed[0]).__module__}): the exercise is to write grad_ready and "
-                   "finish_gradient_synchronization in the scaffold's class")
-        for key in ("grads", "buckets", "overlap"):
-            report.add(ITEMS[key], None, "judged once the class is yours")
-        return report
+        return report.fail(ITEMS["runs"], f"{cls.__name__}.{borrowed[0]} is the course's own "
+                           f"({getattr(cls, borrowed[0]).__module__}): the exercise is to write grad_ready and "
+                           "finish_gradient_synchronization in the scaffold's class",
+                           [ITEMS[key] for key in ("grads", "buckets", "overlap")], "judged once the class is yours")
     world = cluster.world_size if cluster is not None else 2
     with clusters_for(cluster, [world]) as clusters:
         comm, timeline, mine = Comm(), Timeline(), Gradients()
         wrap = functools.partial(cls, bucket_cap_mb=BUCKET_CAP_MB)
         failed = run_or_failure(clusters[world], _train, wrap, timeout=timeout, observe=[comm, timeline, mine])
         if isinstance(failed, RankFailure):
-            report.add(ITEMS["runs"], False, failed.describe(timeout))
-            for key in ("grads", "buckets", "overlap"):
-                report.add(ITEMS[key], None, "judged once it trains")
-            return report
+            return report.fail(ITEMS["runs"], failed.describe(timeout),
+                               [ITEMS[key] for key in ("grads", "buckets", "overlap")], "judged once it trains")
         torch_timeline, theirs = Timeline(), Gradients()
         clusters[world].run(_train, torch_ddp, timeout=timeout, observe=[torch_timeline, theirs])
     report.add(ITEMS["runs"], True, f"{world} ranks, {STEPS} SGD steps of the course's MLP")

@@ -22,9 +22,10 @@ from .. import models
 from . import equivalence as eq
 from . import script_check as sc
 from .exercise_a import ARGS as A_ARGS
-from .observe import log_lines, read_log
-from . import provenance
-from .report import Report
+from ..grading.events import Comm, read_events
+from .recorder import Backward, Pass, Read, Step, read_log
+from ..grading import provenance
+from ..grading.report import Report
 
 MAX_NORM = float(A_ARGS[A_ARGS.index("--max-norm") + 1])
 ARGS = list(A_ARGS)  # 2 epochs, 8 sequences per rank and micro-batch, 4 micro-batches per step
@@ -72,27 +73,26 @@ def _judge(report: Report, run, single: sc.SingleRun, setting: sc.Setting, timeo
 def _passes(directory: str, rank: int) -> list[dict]:
     """One rank's DataLoader passes in order, each {"reads", "backwards", "steps", "gathers",
     "step": optimizer steps before its first collective, "comms": the optimizer steps before
-    each collective it issued}: read from the log line by line, a line belonging to the pass
-    that last began or handed out a sample."""
+    each collective it issued}: read from the event log in order, an event belonging to the
+    pass that last began or handed out a sample."""
     passes: dict[int, dict] = {}
     current = None
-    for line in log_lines(directory, rank):
-        kind, _, rest = line.partition(" ")
-        args = rest.split(" ")
-        if kind in ("pass", "read"):
-            current = passes.setdefault(int(args[0]), {"reads": 0, "backwards": 0, "steps": 0, "gathers": 0,
+    for e in read_events(directory, rank):
+        match e:
+            case Pass() | Read():
+                current = passes.setdefault(e.number, {"reads": 0, "backwards": 0, "steps": 0, "gathers": 0,
                                                         "step": None, "comms": []})
-            current["reads"] += kind == "read"
-        elif current is None:
-            continue
-        elif kind == "backward":
-            current["backwards"] += 1
-        elif kind == "step":
-            current["steps"] += 1
-        elif kind == "comm" and len(args) > 1:
-            current["comms"].append(int(args[0]))
-            current["gathers"] += args[1] == "all_gather"
-            current["step"] = int(args[0]) if current["step"] is None else current["step"]
+                current["reads"] += isinstance(e, Read)
+            case _ if current is None:
+                continue
+            case Backward():
+                current["backwards"] += 1
+            case Step():
+                current["steps"] += 1
+            case Comm():
+                current["comms"].append(e.step)
+                current["gathers"] += e.collective == "all_gather"
+                current["step"] = e.step if current["step"] is None else current["step"]
     return [passes[k] for k in sorted(passes)]
 
 

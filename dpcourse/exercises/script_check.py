@@ -2,7 +2,7 @@
 ``train_lm.py`` run as one process on the global batch, and the judges of the run itself
 (it completes, who reads, logs and saves what, the checkpoint, leaving the group).
 
-Both runs carry the course's observer (``observe.py``), so every judge reads what the ranks
+Both runs carry the course's observer (``recorder.py``), so every judge reads what the ranks
 *did*: which samples each pass read, every collective and the backward pass it ran in, the
 learning rate and the gradients before each optimizer step, what was printed and saved. Any
 correct conversion passes; each failed item names the behaviour it saw and asks for the idea
@@ -21,11 +21,15 @@ from dataclasses import dataclass
 import torch
 
 from .. import models
-from . import provenance, starters
+from ..grading import provenance
+from . import starters
 from .known_errors import first_cause, lost_a_peer, with_hint
-from .observe import read_log
-from .report import Report
-from .torchrun import PACKAGE_ROOT, SITE, aborted_at_exit, torchrun
+from .recorder import read_log
+from ..grading.report import Report
+from ..grading.torchrun import torchrun
+from ..processes import PACKAGE_ROOT, aborted_at_exit
+
+SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "site")   # its sitecustomize records a worker
 
 WORLD_SIZE = 2
 MODEL = "tied_transformer"
@@ -109,7 +113,7 @@ def check_script(report: Report, path: str, unchanged: str, setting: Setting, ti
 def _judge_run(report: Report, path: str, setting: Setting, timeout: float, judge) -> None:
     pending = _start_single(setting.args)
     with tempfile.TemporaryDirectory(prefix="dpcourse-check-") as work:
-        run = torchrun(path, setting.args, work, WORLD_SIZE, timeout)
+        run = torchrun(path, setting.args, work, WORLD_SIZE, timeout, site=SITE)
         provenance.from_log(run.observed)   # a reference the script's workers read
         judge(report, run, pending(), setting, timeout)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from .report import Report
+from ..grading.report import Report
 
 GiB = 2**30
 REL_TOL = 0.02

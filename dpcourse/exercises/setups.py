@@ -15,8 +15,15 @@ import os
 from ..observe.observer import Observer
 from ..train import TrainConfig, train
 from ..train.runner import train_single_process
-from .sandbox import filled
+from ..grading.sandbox import filled
 
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COURSE_CODE = {     # what a formula must not copy: the calculators and the references' formulas
+    "dpc.memory": os.path.join(_PACKAGE, "memory"),
+    "dpc.collectives": os.path.join(_PACKAGE, "collectives"),
+    "the reference of exercise B": os.path.join(_PACKAGE, "exercises", "solutions", "setups_b.py"),
+    "the reference of exercise C": os.path.join(_PACKAGE, "exercises", "solutions", "configs_c.py"),
+}
 STEPS, BATCH, LR = 3, 8, 1e-3   # Adam steps, samples per rank per step, learning rate
 WEIGHTS_ATOL = 1e-5            # fp32 data parallelism reproduces one process to float rounding
 
@@ -337,7 +344,7 @@ class Answers:
     there, or its code is a copy of the course's calculators (``sandbox.copied_from``)."""
 
     def __init__(self, fns: dict, calls: list, what: str):
-        from . import provenance, sandbox
+        from ..grading import provenance, sandbox
 
         self.fns = fns
         out = sandbox.evaluate(fns, calls)
@@ -345,7 +352,7 @@ class Answers:
         self.values = {(part, repr(args)): r for (part, args), r in zip(calls, out["results"])}
         texts = list(out["compiled"])
         texts += [t for fn in fns.values() for t in sandbox.learner_sources(fn)]
-        self.copied = sandbox.copied_from(texts)
+        self.copied = sandbox.copied_from(texts, COURSE_CODE)
         self.used_reference = bool(self.copied and self.copied.startswith("the reference"))
         if self.used_reference:
             provenance.shown(self.copied.split()[-1])
@@ -358,7 +365,7 @@ class Answers:
         return value, error
 
     def refusal(self, part: str) -> str:
-        from .sandbox import UNREACHABLE
+        from ..grading.sandbox import UNREACHABLE
 
         name = getattr(self.fns.get(part), "__name__", part)
         reached = next((e for (p, _), (_, e) in self.values.items() if p == part and e.startswith(UNREACHABLE)),

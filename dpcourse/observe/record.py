@@ -138,8 +138,3 @@ class CallRecorder:
                 best[phase], frames[phase]["peak"] = total, dict(now)
         frames[-1]["end"] = dict(now)
         return frames[first:last + 1]
-
-    def tool_peak(self) -> dict:
-        """The tracker's own peak snapshot: {its category name: bytes} (one device)."""
-        snap = self.tracker.get_tracker_snapshot("peak")
-        return {getattr(k, "value", k): v for dev in snap.values() for k, v in dev.items()}

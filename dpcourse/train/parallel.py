@@ -55,6 +55,18 @@ def _wrap_policy(cfg: TrainConfig, block_classes):
     return None
 
 
+def device_mesh(device: torch.device, cfg: TrainConfig, hybrid: bool):
+    """The one place the runner builds a ``DeviceMesh``: for hybrid sharding (FSDP1's
+    HYBRID_SHARD, FSDP2's HSDP) a 2-D mesh, replicate x shard, of ``cfg.hybrid_mesh_shape``;
+    otherwise one dimension over the whole world."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    if hybrid:
+        return init_device_mesh(device.type, cfg.hybrid_mesh_shape(world), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(device.type, (world,))
+
+
 def apply_fsdp(model: nn.Module, device: torch.device, cfg: TrainConfig, block_classes) -> nn.Module:
     """FSDP1 with the configured sharding strategy, auto-wrap policy and mixed precision.
 
@@ -66,10 +78,7 @@ def apply_fsdp(model: nn.Module, device: torch.device, cfg: TrainConfig, block_c
 
     kwargs = {}
     if cfg.sharding_strategy == "HYBRID_SHARD":
-        from torch.distributed.device_mesh import init_device_mesh
-
-        shape = cfg.hybrid_mesh_shape(dist.get_world_size())
-        kwargs["device_mesh"] = init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))
+        kwargs["device_mesh"] = device_mesh(device, cfg, hybrid=True)
     dtypes = mixed_precision_dtypes(cfg)
     if dtypes:
         param_dtype, reduce_dtype = dtypes
@@ -90,14 +99,10 @@ def apply_fsdp(model: nn.Module, device: torch.device, cfg: TrainConfig, block_c
 
 def apply_fsdp2(model: nn.Module, device: torch.device, cfg: TrainConfig, block_classes) -> nn.Module:
     """FSDP2: ``fully_shard`` each block, then the root; parameters become DTensor shards."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    if cfg.shard_group_size is None:
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    else:  # HSDP: shard within each group, replicate across groups (FSDP1's HYBRID_SHARD)
-        shape = cfg.hybrid_mesh_shape(dist.get_world_size())
-        mesh = init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))
+    # HSDP when a shard group is set: shard within each group, replicate across groups
+    mesh = device_mesh(device, cfg, hybrid=cfg.shard_group_size is not None)
     kwargs = {"mesh": mesh, "reshard_after_forward": cfg.reshard_after_forward}
     dtypes = mixed_precision_dtypes(cfg)
     if dtypes:

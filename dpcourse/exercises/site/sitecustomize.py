@@ -1,6 +1,6 @@
 # Loaded by Python at start-up in the processes a checker starts (it puts this folder first on
 # PYTHONPATH): in torchrun's workers it records what the learner's script does, for the checker
-# (dpcourse/exercises/observe.py), from start-up until the worker exits.
+# (dpcourse/exercises/recorder.py), from start-up until the worker exits.
 #
 # Python imports only the first `sitecustomize` on sys.path, so this one would hide any other
 # (a virtual environment's, a distribution's, one the learner's PYTHONPATH names). After its
@@ -12,7 +12,7 @@ import sys
 def _record_until_exit() -> None:
     import atexit
 
-    from dpcourse.exercises.observe import ScriptRecorder
+    from dpcourse.exercises.recorder import ScriptRecorder
 
     recorder = ScriptRecorder(os.environ["DPCOURSE_OBSERVE_DIR"], int(os.environ["RANK"]))
     recorder.__enter__()

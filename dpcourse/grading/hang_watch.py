@@ -1,8 +1,9 @@
 """Where each rank of a running torchrun launch waits, read from its log while it runs, and
 when the ranks can no longer meet.
 
-A rank logs every collective as it issues it and again when it completes (``observe.py``),
-line by line, so the oldest collective without its ``done`` is the one it waits in. Two ranks
+A rank logs every collective as it issues it and again when it completes (``events``: a
+``Comm``, then its ``Done``), so the oldest collective without its ``Done`` is the one it
+waits in. Two ranks
 that wait in different collectives, or one that waits while the other has ended or left the
 process group, will wait forever: the checker stops such a run after ``STUCK_S`` seconds
 instead of its whole timeout, and says where each rank was, e.g. "rank 0 waits in its 3rd
@@ -15,8 +16,8 @@ import subprocess
 import time
 from dataclasses import dataclass
 
-from ..pool.errors import ordinal
-from .observe import log_lines
+from ..tracking.records import ordinal
+from .events import Comm, Destroy, Done, Pid, Wait, read_events
 
 
 @dataclass(frozen=True)
@@ -47,29 +48,28 @@ class Waiting:
 
 
 def where_ranks_wait(directory: str, nproc: int) -> list[Waiting]:
-    """Each rank's ``Waiting``, from the lines its log holds so far."""
-    found = []
-    for rank in range(nproc):
-        pid, left, open_, counts, issued = None, False, {}, {}, {}
-        for line in log_lines(directory, rank):
-            kind, _, rest = line.partition(" ")
-            args = rest.split(" ")
-            if kind == "pid":
-                pid = int(args[0])
-            elif kind == "comm" and len(args) > 5:
-                step, name, number = int(args[0]), args[1], int(args[5])
-                counts[(step, name)] = counts.get((step, name), 0) + 1
-                issued[number] = (number, name, counts[(step, name)], step)
-                if args[6:] != ["functional"]:  # a Work in flight: waited in until it completes
-                    open_[number] = issued[number]
-            elif kind == "wait" and int(args[0]) in issued:  # a functional one: waited in from here
-                open_[int(args[0])] = issued[int(args[0])]
-            elif kind == "done":
-                open_.pop(int(args[0]), None)
-            elif kind == "destroy":
+    """Each rank's ``Waiting``, from the events its log holds so far."""
+    return [_where(read_events(directory, rank)) for rank in range(nproc)]
+
+
+def _where(events: list) -> Waiting:
+    pid, left, open_, counts, issued = None, False, {}, {}, {}
+    for e in events:
+        match e:
+            case Pid():
+                pid = e.pid
+            case Comm():
+                counts[(e.step, e.collective)] = counts.get((e.step, e.collective), 0) + 1
+                issued[e.number] = (e.number, e.collective, counts[(e.step, e.collective)], e.step)
+                if e.kind != "functional":  # a Work in flight: waited in until it completes
+                    open_[e.number] = issued[e.number]
+            case Wait() if e.number in issued:  # a functional one: waited in from here
+                open_[e.number] = issued[e.number]
+            case Done():
+                open_.pop(e.number, None)
+            case Destroy():
                 left = True
-        found.append(Waiting(pid, left, open_[min(open_)] if open_ else None))
-    return found
+    return Waiting(pid, left, open_[min(open_)] if open_ else None)
 
 
 class Watch:

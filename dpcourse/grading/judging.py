@@ -1,29 +1,49 @@
-"""What the checkers that run learner code on ranks share: blanks, clusters, failures as data.
+"""Running a learner's code on the ranks and judging it: blanks, clusters, failures as data.
 
 * ``blanks_in(fn_or_class)``: how many ``...`` placeholders of a starter are still there.
 * ``clusters_for(cluster, world_sizes)``: the clusters a check needs, reusing the learner's.
 * ``run_or_failure(cluster, fn, ...)``: ``cluster.run``, with a rank's exception or a hang
   returned as a ``RankFailure`` a checker can put in an item (the cluster stays usable); a
-  known PyTorch error keeps its message and gains the course's sentence on its likely cause
-  (``known_errors.py``).
+  known PyTorch error keeps its message and gains the sentence on its likely cause that the
+  content registered (``explain_errors``).
+* ``run_checked`` and ``on_ranks``: a check's first item ("runs on every rank") from that call,
+  and every later item not judged when it failed (``Report.fail``).
 
-A fresh rank process imports the checker's modules (this package pulls in
-``dpcourse.scratch``) when it first unpickles a checker function: seconds on a busy
-machine, longer than a short hang timeout. So ``warm_up`` runs first on every cluster, and
+A fresh rank process imports the checker's modules (and what they import: torch's
+distributed packages, the course's models) when it first unpickles a checker function:
+seconds on a busy machine, longer than a short hang timeout. So ``warm_up`` runs first on every cluster, and
 again after a failure has restarted the ranks, with a generous timeout of its own.
 """
 from __future__ import annotations
 
 import ast
 import contextlib
+import functools
 import inspect
 import textwrap
 import types
 from dataclasses import dataclass
+from typing import Callable
 
 from ..pool import Cluster, RankError, RankTimeout
 from ..pool.errors import lost_a_peer
-from .known_errors import with_hint
+from . import provenance
+from .report import Report
+
+RUNS = "runs on every rank"     # a check's first item: did the learner's code run at all
+LATER = "judged once it runs"   # what an item says when the ranks never got that far
+WARM_UP_TIMEOUT = 180.0         # seconds for a warm-up call (see ``run_checked``)
+_explain: list[Callable[[str], str]] = []   # the content's sentences on known errors (``explain_errors``)
+
+
+def explain_errors(with_hint: Callable[[str], str]) -> None:
+    """Have every failure's message pass through ``with_hint(text) -> text`` (the course's
+    sentence on a known PyTorch error's likely cause, added to PyTorch's message)."""
+    _explain[:] = [with_hint]
+
+
+def _hinted(text: str) -> str:
+    return _explain[0](text) if _explain else text
 
 
 def _code_blanks(code: types.CodeType) -> int:
@@ -69,8 +89,6 @@ def blanks_in(obj) -> int:
 def clusters_for(cluster, world_sizes):
     """{world_size: Cluster} for ``world_sizes``: the given cluster(s) where their size fits,
     fresh ones (shut down on exit) for the others."""
-    from . import provenance
-
     given = cluster if isinstance(cluster, (list, tuple)) else [cluster] if cluster is not None else []
     for c in given:
         reopen(c)
@@ -131,19 +149,9 @@ class RankFailure:
                     "to it, the same number of times?")
         return self.summary
 
-    def fail(self, report, runs: str, timeout: float, later, why: str = "judged once it runs"):
-        """Add to ``report`` the item ``runs`` failed as this call did, and each item in ``later``
-        as not judged (``why``); returns ``report``."""
-        report.add(runs, False, self.describe(timeout))
-        for name in later:
-            report.add(name, None, why)
-        return report
 
-
-def _ready() -> bool:
-    from . import provenance
-
-    provenance.install()   # from now on, a reference read on this rank is recorded
+def _ready(where) -> bool:
+    provenance.install(where)   # from now on, a reference read on this rank is recorded
     return True
 
 
@@ -158,16 +166,26 @@ def reopen(cluster) -> None:
 
 def warm_up(cluster, timeout: float = 180.0) -> None:
     """Have every rank import this package (and what it imports) before anything is timed."""
-    cluster.run(_ready, timeout=timeout)
+    cluster.run(_ready, provenance.where(), timeout=timeout)
 
 
 def run_or_failure(cluster, fn, *args, timeout: float, **kwargs):
     """``cluster.run(fn, *args, **kwargs)``'s results, or a ``RankFailure`` if a rank raised
     or the call did not finish within ``timeout`` seconds. A raise is told by the first rank
     whose error is its own, PyTorch's message kept and the course's sentence on its likely
-    cause added where ``known_errors`` knows one."""
+    cause added where the content knows one (``explain_errors``)."""
+    return _attempt(cluster, lambda: cluster.run(fn, *args, timeout=timeout, **kwargs))
+
+
+def script_or_failure(cluster, source: str, *argv, timeout: float):
+    """``cluster.run_script_source(source, *argv)``'s exit codes, or a ``RankFailure`` (as
+    ``run_or_failure`` says it)."""
+    return _attempt(cluster, lambda: cluster.run_script_source(source, *argv, timeout=timeout))
+
+
+def _attempt(cluster, call: Callable):
     try:
-        return cluster.run(fn, *args, timeout=timeout, **kwargs)
+        return call()
     except (RankTimeout, RankError) as err:
         failure = failure_of(err)
     warm_up(cluster)  # the failure restarted the ranks: fresh processes, nothing imported
@@ -182,7 +200,46 @@ def failure_of(err: RankTimeout | RankError) -> RankFailure:
         stuck = [r for r in err.reports.values() if r.state == "running"] or list(err.reports.values())
         return RankFailure("hang", "; ".join(f"rank {r.rank} {r.summary}".strip() for r in stuck[:2]))
     if not err.failures:
-        return RankFailure("raised", with_hint(str(err).splitlines()[0]))
+        return RankFailure("raised", _hinted(str(err).splitlines()[0]))
     own = [r for r in sorted(err.failures) if not lost_a_peer(err.failures[r])] or sorted(err.failures)
     first = err.failures[own[0]]
-    return RankFailure("raised", with_hint(f"rank {first.rank} {first.summary}"))
+    return RankFailure("raised", _hinted(f"rank {first.rank} {first.summary}"))
+
+
+
+def run_checked(report: Report, cluster, fn, *args, items, timeout: float, runs: str = RUNS,
+                warm_up: Callable | None = None, describe: Callable | None = None) -> list | None:
+    """``fn(*args)`` on every rank of ``cluster``: the results in rank order, with item ``runs``
+    passed; or None when a rank raised or the call did not return within ``timeout`` seconds,
+    with ``runs`` failed and each of ``items`` not judged. The failure is said in
+    ``RankFailure.describe``'s words, or ``describe(failure, world_size)``'s where a check knows
+    better. ``warm_up``: run on every rank first, under a timeout of its own -- a rank that a
+    failure restarted imports what the check needs for seconds, which ``timeout`` is not for."""
+    if warm_up is not None:
+        cluster.run(warm_up, timeout=WARM_UP_TIMEOUT)
+    got = run_or_failure(cluster, fn, *args, timeout=timeout)
+    if isinstance(got, RankFailure):
+        report.fail(runs, describe(got, cluster.world_size) if describe else got.describe(timeout), items)
+        return None
+    report.add(runs, True)
+    return got
+
+
+def on_ranks(fn, *items: str, timeout: float, runs: str = RUNS, warm_up: Callable | None = None,
+             describe: Callable | None = None):
+    """Make the decorated ``judge(report, got, *items)`` a check ``check(answer, cluster)``.
+
+    The check runs ``fn(answer)`` on the cluster's ranks (``run_checked``, whose keywords these
+    are); when every rank returned, the judge adds ``items``, the names of what it judges, in
+    its own order, from ``got``: the ranks' results in rank order."""
+    def make(judge):
+        @functools.wraps(judge)
+        def check(answer, cluster) -> Report:
+            report = Report("")
+            got = run_checked(report, cluster, fn, answer, items=items, timeout=timeout, runs=runs,
+                              warm_up=warm_up, describe=describe)
+            if got is not None:
+                judge(report, got, *items)
+            return report
+        return check
+    return make

@@ -1,4 +1,9 @@
-"""Run a learner's script under torchrun for a checker: observed, time-limited, nothing left behind."""
+"""Run a learner's script under torchrun for a checker: observed, time-limited, nothing left behind.
+
+The workers start with ``site`` first on their path: the checker's folder whose
+``sitecustomize`` records what the script does as an event log (``events``) in the folder
+``DPCOURSE_OBSERVE_DIR`` names; the harness reads the log while the run goes on to tell a hang
+(``hang_watch``)."""
 from __future__ import annotations
 
 import glob
@@ -8,12 +13,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-# script_check reads PACKAGE_ROOT and aborted_at_exit (Gloo's teardown, recognised) from here.
-from ..processes import PACKAGE_ROOT, aborted_at_exit  # noqa: F401
-from ..processes import end_tree, launch_env, start_process, torchrun_command
+from ..processes import PACKAGE_ROOT, end_tree, launch_env, start_process, torchrun_command
 from .hang_watch import Watch
-
-SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "site")
 
 
 @dataclass
@@ -45,11 +46,11 @@ POLL_S = 0.5
 STOP_GRACE_S = 10.0  # after SIGTERM, torchrun's agent has this long to stop its workers
 
 
-def torchrun(script: str, args: list[str], workdir: str, nproc: int, timeout: float,
+def torchrun(script: str, args: list[str], workdir: str, nproc: int, timeout: float, site: str,
              stuck_s: float = STUCK_S) -> Run:
     """``torchrun --standalone --nproc_per_node=nproc script *args`` in ``workdir``, observed.
 
-    While it runs, the ranks' logs say which collective each waits in (``observe.py``). The
+    While it runs, the ranks' event logs say which collective each waits in. The
     launch is stopped early, as hung, once a rank has waited in one collective for
     ``stuck_s`` seconds while another rank has ended, has left the process group, or waits
     in a different collective: no peer can ever join it. Otherwise it is stopped after
@@ -59,7 +60,7 @@ def torchrun(script: str, args: list[str], workdir: str, nproc: int, timeout: fl
     observed = os.path.join(workdir, ".observed")
     logs = os.path.join(workdir, ".logs")
     os.makedirs(observed, exist_ok=True)
-    path = [SITE, PACKAGE_ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    path = [site, PACKAGE_ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     env = launch_env(DPCOURSE_OBSERVE_DIR=observed, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(path))
     cmd = torchrun_command(nproc, "--redirects", "1", "--log-dir", logs, os.path.abspath(script), *args)
     start = time.monotonic()

@@ -4,6 +4,8 @@ from __future__ import annotations
 import html
 from dataclasses import dataclass, field
 
+from . import provenance
+
 MARKS = {"pass": "✓", "fail": "✗", "skip": "–"}
 # the MIME type under which a notebook output carries a report as data (read by dpcourse.grade)
 MIME = "application/vnd.dpcourse.report+json"
@@ -55,13 +57,20 @@ class Report:
         self.items.append(item)
         return item
 
+    def fail(self, name: str, detail: str, later, why: str = "judged once it runs") -> "Report":
+        """The one way to fail item ``name`` (``detail`` says how) and leave each item of
+        ``later`` not judged, ``why`` saying what it waits for; returns the report."""
+        self.add(name, False, detail)
+        for other in later:
+            self.add(other, None, why)
+        return self
+
     def fix(self) -> "Reference":
         """The reference solution, on request: the first report names the behaviour, not the line."""
         if not self.key:
             raise ValueError(f"{self.title} has no reference solution to show")
-        from . import solution
-
-        return Reference(solution(self.key))
+        provenance.shown(self.key)   # an instructor sees it in the reports that follow
+        return Reference(provenance.reference_text(self.key))
 
     def verdict(self) -> str:
         if not self.attempted:
@@ -82,9 +91,7 @@ class Report:
         return "\n".join(lines)
 
     def reference_line(self) -> str:
-        from .provenance import describe
-
-        return f"Used the reference: {describe(self.references)}."
+        return f"Used the reference: {provenance.describe(self.references)}."
 
     __repr__ = __str__  # what a notebook shows as text, and what a terminal prints
 

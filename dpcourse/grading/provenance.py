@@ -23,12 +23,11 @@ import os
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-SOLUTIONS = os.path.join(HERE, "solutions")
 LOG = "references.rank{rank}"   # in a torchrun worker's observe folder: one key per line
-# files in solutions/: A's and F's are complete scripts, conversions of starters/train_lm.py
-SOLUTION_FILES = {"A": "train_lm_ddp.py", "B": "setups_b.py", "C": "configs_c.py", "D": "ring_d.py",
-                  "E": "bucketed_e.py", "F": "train_lm_fsdp.py"}
+# Where the references are, as the course's content registers them (``install``): the folder,
+# and the keys of the files at its top ("A" -> "train_lm_ddp.py"); a file in its ``tryits/``
+# is known by its name. A rank and a torchrun worker are told the same by ``install``.
+_where: dict = {"folder": None, "files": {}}
 
 _read: dict[str, float] = {}      # key -> the last time a reference was read in this process
 _taken: set[str] = set()          # keys read since the last ``take`` (on a rank)
@@ -54,22 +53,23 @@ _files: dict[tuple[int, int], str] = {}
 
 def _key_by_name(path: str) -> str | None:
     """The reference a file below ``solutions/`` is, from its name (``__pycache__`` too)."""
+    folder = _where["folder"]
     path = os.path.realpath(path)
-    if not path.startswith(SOLUTIONS + os.sep):
+    if folder is None or not path.startswith(folder + os.sep):
         return None
-    stem, parts = os.path.basename(path).split(".")[0], path[len(SOLUTIONS) + 1:].split(os.sep)
+    stem, parts = os.path.basename(path).split(".")[0], path[len(folder) + 1:].split(os.sep)
     if stem == "__init__":
         return None
     if parts[0] == "tryits":
         return stem
-    return next((k for k, name in SOLUTION_FILES.items() if name.split(".")[0] == stem), None)
+    return next((k for k, name in _where["files"].items() if name.split(".")[0] == stem), None)
 
 
 def _references() -> dict[tuple[int, int], str]:
     """{(device, inode): key} of every reference's file: a file is known by what it is,
     whatever path, link or /proc route names it."""
-    if not _files:
-        for folder, _, names in os.walk(SOLUTIONS):
+    if not _files and _where["folder"]:
+        for folder, _, names in os.walk(_where["folder"]):
             for name in names:
                 key = _key_by_name(os.path.join(folder, name))
                 if key:
@@ -105,18 +105,46 @@ def _hook(event: str, args) -> None:
             shown(key)
 
 
-def install() -> None:
+def install(where: tuple[str, dict] | None = None) -> None:
     """Record every read of a reference's file in this process from now on (once per process;
-    an audit hook cannot be removed, and costs a string test per event)."""
+    an audit hook cannot be removed, and costs a string test per event). ``where``: the
+    references' folder and its top files' keys, as ``where()`` gives them (the content
+    registers them in the kernel; a rank or worker is passed the kernel's)."""
     global _installed
+    if where is not None and where[0] != _where["folder"]:
+        _where["folder"], _where["files"] = os.path.realpath(where[0]), dict(where[1])
+        _files.clear()
     if not _installed:
         _installed = True
         sys.addaudithook(_hook)
 
 
-def take() -> list[str]:
-    """On a rank: install the hook, and hand over (and forget) the keys read since last time."""
-    install()
+def where() -> tuple[str | None, dict]:
+    """The references' folder and the keys of its top files, as registered (``install``)."""
+    return _where["folder"], dict(_where["files"])
+
+
+def keys() -> list[str]:
+    """Every reference's key: the top files' ("A", ...) and the try-its' (their file names)."""
+    folder = _where["folder"]
+    tryits = os.path.join(folder, "tryits") if folder else ""
+    names = sorted(n[:-3] for n in os.listdir(tryits) if n.endswith(".py")) if os.path.isdir(tryits) else []
+    return sorted(_where["files"]) + [n for n in names if n != "__init__"]
+
+
+def reference_text(key: str) -> str:
+    """Reference ``key``'s source text, read without recording (the caller says ``shown``)."""
+    folder = _where["folder"]
+    name = _where["files"].get(key)
+    path = os.path.join(folder, name) if name else os.path.join(folder, "tryits", f"{key}.py")
+    with quiet(), open(path) as f:
+        return f.read()
+
+
+def take(where: tuple[str, dict] | None = None) -> list[str]:
+    """On a rank: install the hook (``where``: the kernel's references), and hand over (and
+    forget) the keys read since last time."""
+    install(where)
     keys = sorted(_taken)
     _taken.clear()
     return keys
@@ -140,7 +168,7 @@ def from_cluster(cluster, earlier: bool = False) -> None:
     check that asks); a cluster that cannot answer (its ranks just failed, and fresh ones read
     nothing yet) reads nothing."""
     try:
-        got = cluster.run(take, timeout=60)
+        got = cluster.run(take, where(), timeout=60)
     except Exception:  # noqa: BLE001 -- see above
         return
     add((key for keys in got for key in keys), earlier)
@@ -194,13 +222,10 @@ def embeds(text: str, key: str, starter: str = "", share: float = 0.6) -> bool:
     """Does ``text`` (a learner's script) carry reference ``key``'s own lines -- those the
     starter does not have, comments included? True when at least ``share`` of them are there;
     a conversion written apart shares its code with the reference, never its wording."""
-    from . import solution
-
     def lines(source: str) -> set[str]:
         return {line.strip() for line in source.splitlines() if len(line.strip()) >= 20}
 
-    with quiet():
-        own = lines(solution(key)) - lines(starter)
+    own = lines(reference_text(key)) - lines(starter)
     if len(own) < 5:
         return False
     return len(own & lines(text)) >= share * len(own)

@@ -312,13 +312,7 @@ def _learners(module) -> bool:
 
 SHINGLE = 12        # tokens in a row that a copy shares with the course's code
 COPIED = 25         # shared runs of SHINGLE tokens that make a text a copy
-COURSE_CODE = {     # what a formula must not copy: the calculators and the references' formulas
-    "dpc.memory": os.path.join(PACKAGE, "memory"),
-    "dpc.collectives": os.path.join(PACKAGE, "collectives"),
-    "the reference of exercise B": os.path.join(PACKAGE, "exercises", "solutions", "setups_b.py"),
-    "the reference of exercise C": os.path.join(PACKAGE, "exercises", "solutions", "configs_c.py"),
-}
-_course: dict[str, set] = {}
+_course: dict[str, set] = {}   # a file or folder of the course -> its shingles
 
 
 def _tokens(text: str) -> list[str]:
@@ -336,26 +330,26 @@ def _shingles(text: str) -> set:
     return {tuple(tokens[i:i + SHINGLE]) for i in range(len(tokens) - SHINGLE + 1)}
 
 
-def _course_shingles() -> dict[str, set]:
-    if not _course:
+def _course_shingles(path: str) -> set:
+    if path not in _course:
         from . import provenance
 
         with provenance.quiet():   # the course reading its own files: not the learner's
-            for name, path in COURSE_CODE.items():
-                files = ([os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs if f.endswith(".py")]
-                         if os.path.isdir(path) else [path])
-                _course[name] = set().union(*(_shingles(open(f).read()) for f in files))
-    return _course
+            files = ([os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs if f.endswith(".py")]
+                     if os.path.isdir(path) else [path])
+            _course[path] = set().union(*(_shingles(open(f).read()) for f in files))
+    return _course[path]
 
 
-def copied_from(texts) -> str | None:
-    """The course code (a name from ``COURSE_CODE``) that ``texts`` copy, or None: ``COPIED``
-    or more runs of ``SHINGLE`` tokens in common. A formula written apart shares short idioms
-    with the calculators, never dozens of long runs."""
+def copied_from(texts, course_code: dict[str, str]) -> str | None:
+    """The course code (a name in ``course_code``, which maps names to the files or folders a
+    formula must not copy) that ``texts`` copy, or None: ``COPIED`` or more runs of ``SHINGLE``
+    tokens in common. A formula written apart shares short idioms with the calculators, never
+    dozens of long runs."""
     mine = set().union(*(_shingles(t) for t in texts if t)) if texts else set()
     if not mine:
         return None
-    best = max(((len(mine & theirs), name) for name, theirs in _course_shingles().items()), default=(0, None))
+    best = max(((len(mine & _course_shingles(path)), name) for name, path in course_code.items()), default=(0, None))
     return best[1] if best[0] >= COPIED else None
 
 
